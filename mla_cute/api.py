@@ -1,0 +1,253 @@
+"""The public API, argument for argument FlashMLA's: a FlashMLA user changes only the import."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from . import validation as V
+from .backend import select_backend
+from .backends import reference
+from .fp8 import D_QK, dequantize_kv_cache
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+    """Tile-scheduler metadata, filled by the first ``flash_mla_with_kvcache`` call.
+
+    Reuse one object across the layers of a decode step: the shapes, the config and
+    the values of ``cache_seqlens`` (or ``topk_length``) must stay the same.
+
+    tile_scheduler_metadata: int32 ``[num_sm_parts, 8]`` (see ``mla_cute.schedules.RECORD_FIELDS``).
+    num_splits: int32 ``[batch_size + 1]``, prefix sum of the split count of each request.
+    """
+
+    @dataclasses.dataclass
+    class Config:
+        b: int
+        s_q: int
+        h_q: int
+        page_block_size: int
+        h_k: int
+        causal: bool
+        is_fp8_kvcache: bool
+        topk: Optional[int]
+        extra_page_block_size: Optional[int] = None
+        extra_topk: Optional[int] = None
+
+    have_initialized: bool = False
+    config: Optional[Config] = None
+    tile_scheduler_metadata: Optional[torch.Tensor] = None
+    num_splits: Optional[torch.Tensor] = None
+    # What the metadata was computed from: the lengths tensor and its version counter,
+    # so a reuse with other lengths is caught without reading device memory.
+    _lengths_ref: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
+    _lengths_key: Optional[tuple] = dataclasses.field(default=None, repr=False)
+    _lengths_copy: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
+    # Backend-private state (workspaces, launch plans), keyed by the backend.
+    _state: dict = dataclasses.field(default_factory=dict, repr=False)
+
+
+def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
+    """Return an empty :class:`FlashMLASchedMeta` (filled by the first attention call).
+
+    Arguments are accepted and ignored, for compatibility with FlashMLA's older interface.
+    Returns ``(FlashMLASchedMeta(), None)``.
+    """
+    return FlashMLASchedMeta(), None
+
+
+def _lengths_key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t._version, tuple(t.shape), t.device)
+
+
+def _bind_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, lengths: Optional[torch.Tensor]) -> bool:
+    """Record or check the config.  Returns True on the first call (metadata to compute)."""
+    if not isinstance(meta, FlashMLASchedMeta):
+        raise TypeError(
+            f"tile_scheduler_metadata must be a FlashMLASchedMeta (from get_mla_metadata()), got {type(meta).__name__}"
+        )
+    if not meta.have_initialized:
+        meta.config = config
+        meta.have_initialized = True
+        if lengths is not None:
+            meta._lengths_ref = lengths
+            meta._lengths_key = _lengths_key(lengths)
+            meta._lengths_copy = lengths.clone()
+        return True
+    if meta.config != config:
+        diffs = [
+            f"{f.name}: {getattr(meta.config, f.name)!r} -> {getattr(config, f.name)!r}"
+            for f in dataclasses.fields(config)
+            if getattr(meta.config, f.name) != getattr(config, f.name)
+        ]
+        raise ValueError(
+            "tile_scheduler_metadata was computed for another configuration (" + ", ".join(diffs) + "); "
+            "call get_mla_metadata() again for a new configuration"
+        )
+    if lengths is not None and (lengths is not meta._lengths_ref or _lengths_key(lengths) != meta._lengths_key):
+        same = True
+        capturing = lengths.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            same = torch.equal(lengths, meta._lengths_copy)
+        if not same:
+            raise ValueError(
+                "tile_scheduler_metadata was computed for other cache_seqlens/topk_length values; "
+                "call get_mla_metadata() again when the lengths change"
+            )
+        meta._lengths_ref, meta._lengths_key = lengths, _lengths_key(lengths)
+    return False
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    cache_seqlens: Optional[torch.Tensor],
+    head_dim_v: int,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    num_splits: None = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+    extra_k_cache: Optional[torch.Tensor] = None,
+    extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    extra_topk_length: Optional[torch.Tensor] = None,
+    *,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode attention over a paged cache (dense, or sparse over the FP8 cache).
+
+    Dense (``indices is None``):
+        q: ``[b, s_q, h_q, 576]`` bf16 or fp16 (512 latent + 64 RoPE).
+        k_cache: ``[num_blocks, page_block_size, h_kv, 576]``, dtype of q; or, with
+            ``is_fp8_kvcache=True``, ``[num_blocks, page_block_size, 1, 656]`` FP8 rows
+            (see ``mla_cute.fp8``) and bf16 q.
+        block_table: int32 ``[b, max_num_blocks]``: logical block j of request i is
+            physical block ``block_table[i, j]``.
+        cache_seqlens: int32 ``[b]``, KV length of each request (0 allowed).
+        causal: bottom-right aligned mask (query t of s_q sees keys ``[0, len - (s_q-1-t))``).
+    Sparse (``indices`` given, ``is_fp8_kvcache=True``, h_kv = 1):
+        indices: int32 ``[b, s_q, topk]``, ``physical_block * page_block_size + offset``;
+            -1 or any value outside the cache is skipped.
+        topk_length: int32 ``[b]``, only the first ``topk_length[i]`` indices count.
+        attn_sink: float32 ``[h_q]``: out *= exp(lse) / (exp(lse) + exp(attn_sink)).
+        block_table and cache_seqlens may be None.
+    Common:
+        head_dim_v: must be 512.  tile_scheduler_metadata: from :func:`get_mla_metadata`.
+        num_splits: must be None.  softmax_scale: default ``576 ** -0.5``.
+        extra_k_cache / extra_indices_in_kvcache / extra_topk_length: FlashMLA's MODEL1
+            extra pool, not supported (NotImplementedError when given).
+        backend: ``"cute"`` or ``"reference"`` (keyword only; default by device, or the
+            ``MLA_CUTE_BACKEND`` environment variable).
+
+    Returns:
+        out ``[b, s_q, h_q, 512]`` (q dtype) and lse ``[b, h_q, s_q]`` float32, natural
+        log; a query with nothing to attend has out 0 and lse +inf.
+    """
+    if num_splits is not None:
+        raise ValueError("num_splits must be None (the split counts live in tile_scheduler_metadata)")
+    for name, val in (
+        ("extra_k_cache", extra_k_cache),
+        ("extra_indices_in_kvcache", extra_indices_in_kvcache),
+        ("extra_topk_length", extra_topk_length),
+    ):
+        if val is not None:
+            raise NotImplementedError(f"{name} (FlashMLA's MODEL1 extra KV pool) is not supported by mla-cute")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        softmax_scale = D_QK ** -0.5
+    elif not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
+    softmax_scale = float(softmax_scale)
+
+    if indices is None:
+        for name, val in (("attn_sink", attn_sink), ("topk_length", topk_length)):
+            if val is not None:
+                raise ValueError(f"{name} is only valid for sparse decode (with indices); got it with indices=None")
+        if block_table is None or cache_seqlens is None:
+            raise ValueError("block_table and cache_seqlens are required for dense decode (indices=None)")
+        V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache)
+        kind = select_backend(q.device, backend)
+        config = FlashMLASchedMeta.Config(
+            q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
+            causal, is_fp8_kvcache, None,
+        )
+        first = _bind_metadata(tile_scheduler_metadata, config, cache_seqlens)
+        if first and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
+        causal = causal and q.shape[1] > 1
+        if kind == "reference":
+            if first:
+                _fill_reference_metadata(tile_scheduler_metadata, q, k_cache, cache_seqlens)
+            cache = dequantize_kv_cache(k_cache) if is_fp8_kvcache else k_cache
+            return reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, causal, head_dim_v)
+        from .backends import cute
+
+        return cute.dense_decode(
+            q, k_cache, block_table, cache_seqlens, softmax_scale, causal, is_fp8_kvcache,
+            tile_scheduler_metadata, first,
+        )
+
+    if block_table is not None:
+        V.check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,))
+    if cache_seqlens is not None:
+        V.check_tensor("cache_seqlens", cache_seqlens, dim=1, dtypes=(torch.int32,))
+    V.check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))
+    V.check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal)
+    kind = select_backend(q.device, backend)
+    config = FlashMLASchedMeta.Config(
+        q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
+        False, True, indices.shape[-1],
+    )
+    first = _bind_metadata(tile_scheduler_metadata, config, topk_length)
+    if kind == "reference":
+        return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v)
+    raise NotImplementedError("sparse FP8 decode has no 'cute' kernel yet; pass backend='reference'")
+
+
+def flash_mla_sparse_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    *,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse prefill attention.
+
+    q: ``[s_q, h_q, 576]`` bf16; kv: ``[s_kv, 1, 576]`` bf16; indices: int32
+    ``[s_q, 1, topk]`` (valid when ``0 <= index < s_kv``); sm_scale: softmax scale;
+    d_v: must be 512; attn_sink: float32 ``[h_q]``; topk_length: int32 ``[s_q]``.
+
+    Returns (out ``[s_q, h_q, 512]`` bf16, max_logits ``[s_q, h_q]`` float32 (max of
+    scaled scores, -inf when nothing is valid), lse ``[s_q, h_q]`` float32, natural
+    log, +inf when nothing is valid).
+    """
+    V.check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length)
+    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+        raise ValueError(f"sm_scale must be a positive float, got {sm_scale!r}")
+    kind = select_backend(q.device, backend)
+    if kind == "reference":
+        return reference.sparse_prefill(q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
+    raise NotImplementedError("sparse prefill has no 'cute' kernel yet; pass backend='reference'")
+
+
+def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens) -> None:
+    """Give reference users the same metadata tensors the kernels would use."""
+    from .schedules import DEFAULT_DENSE_SCHEDULE, num_sm_parts_for, plan_splits
+
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+    parts = num_sm_parts_for(num_sms, q.shape[1], q.shape[2], k_cache.shape[2])
+    records, splits = plan_splits(cache_seqlens, parts, 64, DEFAULT_DENSE_SCHEDULE.split_fixed_cost)
+    meta.tile_scheduler_metadata = records.to(q.device)
+    meta.num_splits = splits.to(q.device)

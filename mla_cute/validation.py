@@ -1,0 +1,154 @@
+"""Input validation for the public API: every check runs before any launch.
+
+Errors name the argument, what was given and what is expected.  TypeError for a
+wrong type or dtype, ValueError for a wrong value, shape or device.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from .fp8 import D_LATENT, D_QK, FP8_BYTES_PER_TOKEN
+
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8, torch.int8)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_tensor(name: str, t, *, dim: Optional[int] = None, dtypes: Optional[Iterable[torch.dtype]] = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got shape {list(t.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            want = " or ".join(str(d) for d in dtypes)
+            raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+
+
+def check_shape(name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {what} = {list(expected)}, got {list(t.shape)}")
+
+
+def check_same_device(ref_name: str, ref: torch.Tensor, **others) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {t.device}")
+
+
+def check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache) -> None:
+    """Shapes, dtypes and devices of a dense decode call (no tensor values read)."""
+    check_tensor("q", q, dim=4, dtypes=HALF_DTYPES)
+    b, s_q, h_q, d = q.shape
+    if d != D_QK:
+        raise ValueError(f"q must have head_dim {D_QK} (512 latent + 64 RoPE), got {d}")
+    if b < 1 or s_q < 1 or h_q < 1:
+        raise ValueError(f"q must have batch, s_q and h_q >= 1, got shape {list(q.shape)}")
+    if head_dim_v != D_LATENT:
+        raise ValueError(f"head_dim_v must be {D_LATENT}, got {head_dim_v}")
+    if is_fp8_kvcache:
+        check_tensor("k_cache", k_cache, dim=4, dtypes=FP8_CACHE_DTYPES)
+        if q.dtype != torch.bfloat16:
+            raise TypeError(f"q must be torch.bfloat16 with an FP8 cache, got {q.dtype}")
+        if k_cache.shape[3] != FP8_BYTES_PER_TOKEN or k_cache.shape[2] != 1:
+            raise ValueError(
+                f"k_cache must have shape [num_blocks, page_block_size, 1, {FP8_BYTES_PER_TOKEN}] "
+                f"with is_fp8_kvcache=True, got {list(k_cache.shape)}"
+            )
+    else:
+        check_tensor("k_cache", k_cache, dim=4)
+        if k_cache.dtype != q.dtype:
+            raise TypeError(f"k_cache must have the dtype of q ({q.dtype}), got {k_cache.dtype}")
+        if k_cache.shape[3] != D_QK:
+            raise ValueError(f"k_cache must have head_dim {D_QK}, got shape {list(k_cache.shape)}")
+    num_blocks, page, h_kv = k_cache.shape[:3]
+    if page < 1 or num_blocks < 1:
+        raise ValueError(f"k_cache must have num_blocks >= 1 and page_block_size >= 1, got shape {list(k_cache.shape)}")
+    if h_kv < 1 or h_q % h_kv != 0:
+        raise ValueError(f"h_q ({h_q}, q.shape[2]) must be a multiple of h_kv ({h_kv}, k_cache.shape[2])")
+    check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,))
+    if block_table.shape[0] != b:
+        raise ValueError(f"block_table must have shape [batch_size={b}, max_num_blocks], got {list(block_table.shape)}")
+    check_tensor("cache_seqlens", cache_seqlens, dim=1, dtypes=(torch.int32,))
+    check_shape("cache_seqlens", cache_seqlens, (b,), "[batch_size]")
+    check_same_device("q", q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens)
+
+
+def check_dense_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, page: int, num_blocks: int) -> None:
+    """Value checks (one host sync): lengths covered by the block table, block ids in range."""
+    max_blocks = block_table.shape[1]
+    lens = cache_seqlens.long()
+    needed = (lens + page - 1) // page  # blocks each request uses
+    pos = torch.arange(max_blocks, device=block_table.device).unsqueeze(0)
+    used = pos < needed.unsqueeze(1)
+    bad_ids = used & ((block_table < 0) | (block_table >= num_blocks))
+    stats = torch.stack(
+        [lens.min(), lens.max(), bad_ids.any().long(), (bad_ids.long().argmax() if bad_ids.numel() else lens.min() * 0)]
+    ).tolist()
+    lo, hi, any_bad, flat = stats
+    if lo < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got a minimum of {lo}")
+    if hi > max_blocks * page:
+        raise ValueError(
+            f"cache_seqlens has a length of {hi} but block_table covers only "
+            f"{max_blocks} blocks x page_block_size {page} = {max_blocks * page} tokens"
+        )
+    if any_bad:
+        i, j = divmod(int(flat), max_blocks)
+        raise ValueError(
+            f"block_table[{i}, {j}] = {int(block_table[i, j])} is used by cache_seqlens[{i}] but is outside "
+            f"[0, num_blocks={num_blocks})"
+        )
+
+
+def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal) -> None:
+    if not is_fp8_kvcache:
+        raise ValueError("is_fp8_kvcache must be True when indices is given (sparse decode reads the FP8 cache)")
+    if causal:
+        raise ValueError("causal must be False when indices is given (sparse decode)")
+    check_tensor("q", q, dim=4, dtypes=(torch.bfloat16,))
+    b, s_q, h_q, d = q.shape
+    if d != D_QK:
+        raise ValueError(f"q must have head_dim {D_QK}, got {d}")
+    if head_dim_v != D_LATENT:
+        raise ValueError(f"head_dim_v must be {D_LATENT}, got {head_dim_v}")
+    check_tensor("k_cache", k_cache, dim=4, dtypes=FP8_CACHE_DTYPES)
+    if k_cache.shape[2] != 1 or k_cache.shape[3] != FP8_BYTES_PER_TOKEN:
+        raise ValueError(
+            f"k_cache must have shape [num_blocks, page_block_size, 1, {FP8_BYTES_PER_TOKEN}], got {list(k_cache.shape)}"
+        )
+    check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))
+    if tuple(indices.shape[:2]) != (b, s_q) or indices.shape[2] < 1:
+        raise ValueError(f"indices must have shape [batch_size={b}, s_q={s_q}, topk>=1], got {list(indices.shape)}")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dim=1, dtypes=(torch.int32,))
+        check_shape("topk_length", topk_length, (b,), "[batch_size]")
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink, dim=1, dtypes=(torch.float32,))
+        check_shape("attn_sink", attn_sink, (h_q,), "[h_q]")
+    check_same_device("q", q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
+
+
+def check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length) -> None:
+    check_tensor("q", q, dim=3, dtypes=(torch.bfloat16,))
+    s_q, h_q, d = q.shape
+    if d != D_QK:
+        raise ValueError(f"q must have head_dim {D_QK}, got {d}")
+    if d_v != D_LATENT:
+        raise ValueError(f"d_v must be {D_LATENT}, got {d_v}")
+    check_tensor("kv", kv, dim=3, dtypes=(torch.bfloat16,))
+    if kv.shape[1] != 1 or kv.shape[2] != D_QK:
+        raise ValueError(f"kv must have shape [s_kv, 1, {D_QK}], got {list(kv.shape)}")
+    check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))
+    if indices.shape[0] != s_q or indices.shape[1] != 1 or indices.shape[2] < 1:
+        raise ValueError(f"indices must have shape [s_q={s_q}, 1, topk>=1], got {list(indices.shape)}")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dim=1, dtypes=(torch.int32,))
+        check_shape("topk_length", topk_length, (s_q,), "[s_q]")
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink, dim=1, dtypes=(torch.float32,))
+        check_shape("attn_sink", attn_sink, (h_q,), "[h_q]")
+    check_same_device("q", q, kv=kv, indices=indices, topk_length=topk_length, attn_sink=attn_sink)

@@ -1,0 +1,53 @@
+"""Schedule of the dense decode kernel, as plain data.
+
+The kernel reads every field at compile time; changing a field re-JITs.  Fields
+that describe the hardware contract of the kernel (64-row M tiles, 64-token KV
+tiles, 576/512 head dims) are constants of the kernel, not schedule fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+# Per-SM shared memory a CTA may use on Hopper (227 KiB).
+SMEM_CAPACITY = 232448
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseDecodeSchedule:
+    """Tunables of ``kernels/dense_decode.py``.
+
+    kv_stages: KV tiles in flight (64 x 576 each, 72 KiB in 16-bit): 2 fits next to Q.
+    split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
+    num_sm_parts: CTAs per (KV head, M tile); None = FlashMLA's rule from the SM count.
+    """
+
+    kv_stages: int = 2
+    split_fixed_cost: int = 5
+    num_sm_parts: Optional[int] = None
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        q = 64 * 576 * elem_bytes
+        kv = self.kv_stages * 64 * 576 * elem_bytes
+        p = 64 * 64 * elem_bytes
+        small = 2 * 64 * 4 * 2 + 64 * 8 * (self.kv_stages + 2)
+        return q + kv + p + small
+
+    def validate(self) -> None:
+        """Reject impossible schedules before compiling, with the reason."""
+        if not isinstance(self.kv_stages, int) or self.kv_stages < 1:
+            raise ValueError(f"kv_stages must be an int >= 1, got {self.kv_stages!r}")
+        if not isinstance(self.split_fixed_cost, int) or self.split_fixed_cost < 0:
+            raise ValueError(f"split_fixed_cost must be an int >= 0, got {self.split_fixed_cost!r}")
+        if self.num_sm_parts is not None and (not isinstance(self.num_sm_parts, int) or self.num_sm_parts < 1):
+            raise ValueError(f"num_sm_parts must be None or an int >= 1, got {self.num_sm_parts!r}")
+        need = self.smem_bytes()
+        if need > SMEM_CAPACITY:
+            raise ValueError(
+                f"schedule needs {need} bytes of shared memory (kv_stages={self.kv_stages}), "
+                f"more than the {SMEM_CAPACITY} a Hopper CTA can have"
+            )
+
+
+DEFAULT_DENSE_SCHEDULE = DenseDecodeSchedule()

@@ -1,0 +1,113 @@
+"""Split-KV planner: how the KV blocks of a decode batch are spread over SM parts.
+
+This pure-torch function is the specification of the GPU scheduler kernel
+(``mla_cute.kernels.scheduler``): both must produce identical records.
+
+Cost model (FlashMLA's): a request of ``n`` KV blocks costs ``n + fixed_cost``;
+every part gets a payload of ``ceil(total / num_parts) + fixed_cost`` and takes
+requests greedily in order, splitting the request that does not fit.  A request
+of length 0 still counts as one block (its part writes the empty result).
+
+One record per part, 8 x int32 (``RECORD_FIELDS``):
+  begin_req, end_req (inclusive), begin_block, end_block (exclusive, in the
+  end request), begin_split_idx (split index of begin_req handled by this part),
+  is_first_req_split, is_last_req_split, pad.
+A part with begin_req > end_req has no work.
+``num_splits`` is the prefix sum over requests of their split counts ([b + 1]).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+RECORD_FIELDS = (
+    "begin_req",
+    "end_req",
+    "begin_block",
+    "end_block",
+    "begin_split_idx",
+    "is_first_req_split",
+    "is_last_req_split",
+    "pad",
+)
+RECORD_SIZE = len(RECORD_FIELDS)
+
+
+def num_sm_parts_for(num_sms: int, s_q: int, h_q: int, h_kv: int, block_m: int = 64) -> int:
+    """FlashMLA's part count: one CTA per SM, each KV head's query rows in ceil(rows/64) tiles."""
+    rows_per_kv_head = s_q * (h_q // h_kv)
+    return max(num_sms // h_kv // math.ceil(rows_per_kv_head / block_m), 1)
+
+
+def plan_splits(
+    seqlens: torch.Tensor,
+    num_parts: int,
+    block_n: int = 64,
+    fixed_cost: int = 5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plan the split-KV work.
+
+    Args:
+        seqlens: int tensor ``[b]``, KV length of each request (>= 0).
+        num_parts: number of SM parts (CTAs per (KV head, M tile)), >= 1.
+        block_n: tokens per KV block.
+        fixed_cost: fixed cost of a request (or of each piece of a split request), in blocks.
+
+    Returns:
+        (records int32 ``[num_parts, 8]``, num_splits int32 ``[b + 1]``), on the CPU.
+    """
+    if num_parts < 1:
+        raise ValueError(f"num_parts must be >= 1, got {num_parts}")
+    if block_n < 1:
+        raise ValueError(f"block_n must be >= 1, got {block_n}")
+    if fixed_cost < 0:
+        raise ValueError(f"fixed_cost must be >= 0, got {fixed_cost}")
+    lens = [int(x) for x in seqlens.detach().to("cpu", torch.int64).tolist()]
+    b = len(lens)
+    if b == 0:
+        raise ValueError("seqlens must hold at least one request")
+    if min(lens) < 0:
+        raise ValueError(f"seqlens must be >= 0, got min {min(lens)}")
+
+    # Blocks [first, last] per request; length 0 still has block 0 (written as empty).
+    last_block = [max(n - 1, 0) // block_n for n in lens]
+    num_blocks = [lb + 1 for lb in last_block]
+    total = sum(nb + fixed_cost for nb in num_blocks)
+    payload = -(-total // num_parts) + fixed_cost
+
+    records = torch.zeros(num_parts, RECORD_SIZE, dtype=torch.int32)
+    num_splits = [0] * (b + 1)
+    req, block, split_idx, cum = 0, 0, 0, 0
+    for part in range(num_parts):
+        begin_req, begin_block, begin_split = req, block, split_idx
+        first_split = block != 0
+        remain = payload
+        while req < b:
+            left = num_blocks[req] - block
+            if remain >= left + fixed_cost:
+                cum += split_idx + 1
+                num_splits[req + 1] = cum
+                remain -= left + fixed_cost
+                req, block, split_idx = req + 1, 0, 0
+            else:
+                if remain - fixed_cost > 0:
+                    block += remain - fixed_cost
+                    split_idx += 1
+                break
+        if block > 0:
+            end_req, end_block = req, block
+        else:
+            end_req = req - 1
+            end_block = 0 if lens[end_req] == 0 else last_block[end_req] + 1
+        last_split = end_block != last_block[end_req] + 1 and lens[end_req] != 0
+        if begin_req == end_req:
+            first_split = last_split = first_split or last_split
+        records[part] = torch.tensor(
+            [begin_req, end_req, begin_block, end_block, begin_split, int(first_split), int(last_split), 0],
+            dtype=torch.int32,
+        )
+    if not (req == b and block == 0 and split_idx == 0):
+        raise AssertionError("planner did not place every block (internal error)")
+    return records, torch.tensor(num_splits, dtype=torch.int32)
