@@ -1,0 +1,95 @@
+"""Compile entry points of the kernels, with fake tensors (no GPU needed to compile)."""
+
+from __future__ import annotations
+
+from ..jit import cached_compile, compile_options, cutlass_dtype, prepare_dsl
+
+prepare_dsl()
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor  # noqa: E402
+
+from ..schedules.dense import DenseDecodeSchedule  # noqa: E402
+from .dense_decode import D_QK, D_V, DenseDecodeKernel  # noqa: E402
+
+
+def _sym(div: int = 1, width: int = 32):
+    return cute.sym_int(width, divisibility=div)
+
+
+def dense_decode_signature(dtype, rows: int, h_kv: int, page: int):
+    """Fake tensors matching ``DenseDecodeKernel.__call__``."""
+    b, nb, mb, parts, splits = _sym(), _sym(), _sym(), _sym(), _sym()
+    s64 = lambda: _sym(8, 64)  # noqa: E731  (16-byte aligned strides, as TMA needs)
+    q = make_fake_tensor(dtype, (b, rows, h_kv, D_QK), (s64(), s64(), s64(), 1), assumed_align=16)
+    k = make_fake_tensor(dtype, (nb, page, h_kv, D_QK), (s64(), s64(), s64(), 1), assumed_align=16)
+    block_table = make_fake_tensor(cutlass.Int32, (b, mb), (_sym(1, 64), 1), assumed_align=4)
+    seqlens = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4)
+    sched = make_fake_compact_tensor(cutlass.Int32, (parts, 8), stride_order=(1, 0), assumed_align=16)
+    num_splits = make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4)
+    order4 = (3, 2, 1, 0)
+    out = make_fake_compact_tensor(dtype, (b, h_kv, rows, D_V), stride_order=order4, assumed_align=16)
+    lse = make_fake_compact_tensor(cutlass.Float32, (b, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16)
+    o_acc = make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows, D_V), stride_order=order4, assumed_align=16)
+    lse_acc = make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16)
+    return (q, k, block_table, seqlens, sched, num_splits, out, lse, o_acc, lse_acc, cutlass.Float32(1.0),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def dense_decode_key(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int, schedule: DenseDecodeSchedule):
+    return ("dense_decode", str(torch_dtype), s_q, h_q // h_kv, h_kv, bool(causal and s_q > 1), page, schedule)
+
+
+def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int,
+                         schedule: DenseDecodeSchedule, options: str = ""):
+    """Compile (or fetch from the in-process cache) the dense decode kernel for these static facts."""
+    key = dense_decode_key(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) + (options,)
+
+    def build():
+        dtype = cutlass_dtype(torch_dtype)
+        group = h_q // h_kv
+        kernel = DenseDecodeKernel(dtype, s_q * group, group, s_q, causal and s_q > 1, page, schedule)
+        args = dense_decode_signature(dtype, s_q * group, h_kv, page)
+        return cute.compile(kernel, *args, options=compile_options(options))
+
+    return cached_compile(key, build)
+
+
+def compile_combine(torch_dtype, rows: int, h_kv: int, options: str = ""):
+    from .combine import CombineKernel
+
+    key = ("combine", str(torch_dtype), rows, h_kv, options)
+
+    def build():
+        dtype = cutlass_dtype(torch_dtype)
+        b, splits = _sym(), _sym()
+        order4 = (3, 2, 1, 0)
+        args = (
+            make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
+            make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows, D_V), stride_order=order4, assumed_align=16),
+            make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16),
+            make_fake_compact_tensor(dtype, (b, h_kv, rows, D_V), stride_order=order4, assumed_align=16),
+            make_fake_compact_tensor(cutlass.Float32, (b, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16),
+            make_fake_stream(use_tvm_ffi_env_stream=True),
+        )
+        return cute.compile(CombineKernel(dtype, rows), *args, options=compile_options(options))
+
+    return cached_compile(key, build)
+
+
+def compile_scheduler(fixed_cost: int, options: str = ""):
+    from .scheduler import SchedulerKernel
+
+    key = ("scheduler", fixed_cost, options)
+
+    def build():
+        args = (
+            make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
+            make_fake_compact_tensor(cutlass.Int32, (_sym(), 8), stride_order=(1, 0), assumed_align=16),
+            make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
+            make_fake_stream(use_tvm_ffi_env_stream=True),
+        )
+        return cute.compile(SchedulerKernel(fixed_cost), *args, options=compile_options(options))
+
+    return cached_compile(key, build)

@@ -1,0 +1,506 @@
+"""Dense MLA decode over a paged cache, split-KV, on Hopper (SM90a).
+
+One CTA serves one (SM part, 64-row M tile, KV head).  Its part of the batch comes
+from the split-KV scheduler record (``mla_cute.schedules.planner``): requests
+``begin_req..end_req``, the first from ``begin_block``, the last up to ``end_block``.
+The M tile packs the ``s_q * h_q / h_kv`` query rows of one KV head (row = s * group + head).
+
+Warpgroup roles (384 threads):
+  WG0      producer.  Warp 0 issues the TMA copies: the 64 x 576 Q tile once per request,
+           then 64-token x 576 KV tiles, the physical rows taken from ``block_table``.
+           Its registers go to the consumers (setmaxnreg).
+  WG1, WG2 consumers c = 0, 1.  Per KV tile: S_c = Q K[32c : 32c+32]^T (64 x 32, WGMMA),
+           the row max shared through shared memory, P_c (16-bit) into columns
+           32c..32c+31 of sP, then O_c = O_c * alpha + P V[:, 256c : 256c+256]
+           (64 x 256 fp32 accumulator, WGMMA).  The two halves of the output never
+           meet: each warpgroup writes its 256 columns.
+
+Shared-memory plan (16-bit q/cache; bytes):
+  sQ    64 x 576                       73 728
+  sKV   kv_stages x 64 x 576          73 728 each (V is the first 512 columns of K)
+  sP    64 x 64                          8 192
+  sMax, sSum  [2][64] fp32               1 024
+  mbarriers: Q full/empty, KV full/empty per stage
+All 16-bit tiles use the 128-byte swizzle; K and V share one buffer because the
+K-major (token x feature) and MN-major (feature x token) swizzled layouts place
+every element at the same byte.
+
+Named barriers: see ``BarrierId``.
+
+Output: requests served whole write ``out`` (q dtype) and ``lse`` (natural log) in the
+internal layout ``[b, h_kv, rows, 512]`` / ``[b, h_kv, rows]``; pieces of a split request
+write fp32 partials normalised by their own sum, with a base-2 lse, to
+``o_accum[num_splits[req] + split_idx]`` for the combine kernel.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..schedules.dense import DenseDecodeSchedule
+
+D_QK = 576
+D_V = 512
+BLOCK_M = 64  # query rows per CTA: one WGMMA M
+BLOCK_N = 64  # tokens per KV tile
+HALF_N = BLOCK_N // 2  # tokens of S per consumer warpgroup
+HALF_V = D_V // 2  # output columns per consumer warpgroup
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+class BarrierId(enum.IntEnum):
+    """Named hardware barriers (0 is __syncthreads)."""
+
+    ROW_MAX = 1  # both consumer warpgroups published their partial row max
+    P_READY = 2  # both halves of P are in sP (and out-of-range V rows are zeroed)
+    ROW_SUM = 3  # both consumer warpgroups published their partial row sum
+
+
+class DenseDecodeKernel:
+    """Static configuration of one compiled dense decode kernel."""
+
+    num_threads = 384
+    producer_regs = 40
+    consumer_regs = 232
+
+    def __init__(
+        self,
+        dtype,
+        rows: int,
+        group: int,
+        s_q: int,
+        causal: bool,
+        page_size: int,
+        schedule: DenseDecodeSchedule,
+    ):
+        if page_size % BLOCK_N != 0:
+            raise NotImplementedError(f"page_block_size {page_size}: the kernel needs a multiple of {BLOCK_N}")
+        schedule.validate()
+        self.dtype = dtype
+        self.rows = rows  # s_q * group query rows per KV head
+        self.group = group  # h_q / h_kv
+        self.s_q = s_q
+        self.causal = causal
+        self.page_size = page_size
+        self.kv_stages = schedule.kv_stages
+        self.m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
+        self.tiles_per_page = page_size // BLOCK_N
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [b, rows, h_kv, 576]
+        mKCache: cute.Tensor,  # [num_blocks, page, h_kv, 576]
+        mBlockTable: cute.Tensor,  # [b, max_blocks] int32
+        mSeqlens: cute.Tensor,  # [b] int32
+        mSched: cute.Tensor,  # [num_parts, 8] int32
+        mNumSplits: cute.Tensor,  # [b + 1] int32
+        mOut: cute.Tensor,  # [b, h_kv, rows, 512]
+        mLse: cute.Tensor,  # [b, h_kv, rows] fp32
+        mOAccum: cute.Tensor,  # [b + num_parts, h_kv, rows, 512] fp32
+        mLseAccum: cute.Tensor,  # [b + num_parts, h_kv, rows] fp32
+        scale_log2: cutlass.Float32,
+        stream,
+    ):
+        # (rows, 576, h_kv, b) and (page, 576, h_kv, num_blocks): feature-contiguous, as TMA wants.
+        q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        k = cute.make_tensor(mKCache.iterator, cute.select(mKCache.layout, mode=[1, 3, 2, 0]))
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype,
+            warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (BLOCK_M, HALF_N),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype,
+            warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (BLOCK_M, HALF_V),
+        )
+        k_major = utils.LayoutEnum.ROW_MAJOR  # K-major operand (A or B)
+        mn_major = utils.LayoutEnum.COL_MAJOR
+        sQ_layout = cute.slice_(
+            sm90_utils.make_smem_layout_a(k_major, (BLOCK_M, BLOCK_N, D_QK), self.dtype, 1), (None, None, 0)
+        )
+        sK_layout = sm90_utils.make_smem_layout_b(
+            k_major, (BLOCK_M, BLOCK_N, D_QK), self.dtype, self.kv_stages
+        )
+        # V viewed over the same bytes: N = 576 features (only 512 used), K = 64 tokens, MN-major.
+        sV_layout = sm90_utils.make_smem_layout_b(
+            mn_major, (BLOCK_M, D_QK, BLOCK_N), self.dtype, self.kv_stages
+        )
+        sP_layout = cute.slice_(
+            sm90_utils.make_smem_layout_a(k_major, (BLOCK_M, HALF_V, BLOCK_N), self.dtype, 1), (None, None, 0)
+        )
+
+        sQ_tile = sQ_layout
+        sK_tile = cute.slice_(sK_layout, (None, None, 0))
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), q, sQ_tile, (BLOCK_M, D_QK)
+        )
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), k, sK_tile, (BLOCK_N, D_QK)
+        )
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_tile)
+        self.kv_bytes = cute.size_in_bytes(self.dtype, sK_tile)
+
+        @cute.struct
+        class SharedStorage:
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
+            row_max: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            row_sum: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        num_parts = mSched.shape[0]
+        h_kv = mQ.shape[2]
+        self.kernel(
+            tiled_mma_qk, tiled_mma_pv,
+            tma_atom_q, tma_q, tma_atom_k, tma_k,
+            mBlockTable, mSeqlens, mSched, mNumSplits,
+            mOut, mLse, mOAccum, mLseAccum,
+            scale_log2,
+            sQ_layout, sK_layout, sV_layout, sP_layout,
+        ).launch(
+            grid=[num_parts, self.m_tiles, h_kv],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tma_atom_q: cute.CopyAtom,
+        tma_q: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        tma_k: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        mSeqlens: cute.Tensor,
+        mSched: cute.Tensor,
+        mNumSplits: cute.Tensor,
+        mOut: cute.Tensor,
+        mLse: cute.Tensor,
+        mOAccum: cute.Tensor,
+        mLseAccum: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        part, m_tile, kv_head = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_mbar.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+            tx_count=self.q_bytes,
+            defer_sync=True,
+        )
+        kv_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.kv_mbar.data_ptr(),
+            num_stages=self.kv_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+            tx_count=self.kv_bytes,
+            defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+
+        begin_req = mSched[part, 0]
+        end_req = mSched[part, 1]
+        begin_block = mSched[part, 2]
+        end_block = mSched[part, 3]
+        begin_split = mSched[part, 4]
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(
+                    tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_pipe, kv_pipe,
+                    mBlockTable, mSeqlens, m_tile, kv_head,
+                    begin_req, end_req, begin_block, end_block,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP,
+                storage.row_max.get_tensor(cute.make_layout((BLOCK_M, 2))),
+                storage.row_sum.get_tensor(cute.make_layout((BLOCK_M, 2))),
+                q_pipe, kv_pipe,
+                mSeqlens, mNumSplits, mOut, mLse, mOAccum, mLseAccum, scale_log2,
+                m_tile, kv_head, begin_req, end_req, begin_block, end_block, begin_split,
+                wg_idx - 1, tidx % 128,
+            )
+
+    @cute.jit
+    def request_blocks(self, req, seqlen, begin_req, end_req, begin_block, end_block):
+        """KV tiles [first, last) of request ``req`` that this CTA serves."""
+        first = cutlass.Int32(0)
+        if req == begin_req:
+            first = begin_block
+        last = (seqlen + BLOCK_N - 1) // BLOCK_N
+        if req == end_req:
+            last = end_block
+        return first, last
+
+    # -------------------------------------------------------------- TMA producer
+    @cute.jit
+    def produce(
+        self, tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_pipe, kv_pipe,
+        mBlockTable, mSeqlens, m_tile, kv_head, begin_req, end_req, begin_block, end_block,
+    ):
+        # ((64, 576), m_tiles, 1, h_kv, b) and ((64, 576), page/64, 1, h_kv, num_blocks)
+        gQ = cute.flat_divide(tma_q, (BLOCK_M, D_QK))
+        gK = cute.flat_divide(tma_k, (BLOCK_N, D_QK))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        for req in cutlass.range(begin_req, end_req + 1, unroll=1):
+            seqlen = mSeqlens[req]
+            first, last = self.request_blocks(req, seqlen, begin_req, end_req, begin_block, end_block)
+            q_pipe.producer_acquire(q_state)
+            cute.copy(
+                tma_atom_q, tQgQ[None, m_tile, 0, kv_head, req], tQsQ,
+                tma_bar_ptr=q_pipe.producer_get_barrier(q_state),
+            )
+            q_state.advance()
+            for blk in cutlass.range(first, last, unroll=1):
+                page_idx = blk // self.tiles_per_page
+                tile_in_page = blk - page_idx * self.tiles_per_page
+                phys = mBlockTable[req, page_idx]
+                kv_pipe.producer_acquire(kv_state)
+                cute.copy(
+                    tma_atom_k, tKgK[None, tile_in_page, 0, kv_head, phys], tKsK[None, kv_state.index],
+                    tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state),
+                )
+                kv_state.advance()
+
+    # ------------------------------------------------------------- consumers
+    @cute.jit
+    def consume(
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sMax, sSum, q_pipe, kv_pipe,
+        mSeqlens, mNumSplits, mOut, mLse, mOAccum, mLseAccum, scale_log2,
+        m_tile, kv_head, begin_req, end_req, begin_block, end_block, begin_split,
+        wg, tid,
+    ):
+        thr_qk = tiled_mma_qk.get_slice(tid)
+        thr_pv = tiled_mma_pv.get_slice(tid)
+        # This warpgroup's 32 tokens of K and 256 columns of V, in every stage.
+        sK_half = cute.local_tile(sK, (HALF_N, D_QK, self.kv_stages), (wg, 0, 0))
+        sV_half = cute.local_tile(sV, (HALF_V, BLOCK_N, self.kv_stages), (wg, 0, 0))
+        sP_half = cute.local_tile(sP, (BLOCK_M, HALF_N), (0, wg))
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_half))
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV_half))
+        tPsP = thr_qk.partition_C(sP_half)
+
+        # Coordinates of this thread's accumulator elements.
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, HALF_N)))
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, HALF_V)))
+        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, HALF_N)))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, HALF_V)))
+        rP = cute.make_rmem_tensor_like(acc_s, self.dtype)
+
+        # Each thread owns 2 rows of the 64 (WGMMA accumulator layout): (tid//32)*16 + (tid%32)//4 + 8i.
+        row0 = (tid // 32) * 16 + (tid % 32) // 4
+        row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+        # Causal: last visible token of row r is seqlen - (s_q - 1 - r // group) - 1.
+        row_shift = cute.make_rmem_tensor((2,), cutlass.Int32)
+        for i in cutlass.range_constexpr(2):
+            row_shift[i] = 0
+            if cutlass.const_expr(self.causal):
+                grow = m_tile * BLOCK_M + row0 + 8 * i
+                s_idx = cutlass.min(grow // self.group, self.s_q - 1)
+                row_shift[i] = self.s_q - 1 - s_idx
+
+        consumers = pipeline.NamedBarrier(barrier_id=int(BarrierId.ROW_MAX), num_threads=256)
+        p_ready = pipeline.NamedBarrier(barrier_id=int(BarrierId.P_READY), num_threads=256)
+        sums_ready = pipeline.NamedBarrier(barrier_id=int(BarrierId.ROW_SUM), num_threads=256)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        for req in cutlass.range(begin_req, end_req + 1, unroll=1):
+            seqlen = mSeqlens[req]
+            first, last = self.request_blocks(req, seqlen, begin_req, end_req, begin_block, end_block)
+            acc_o.fill(0.0)
+            for i in cutlass.range_constexpr(2):
+                row_max[i] = -cutlass.Float32.inf
+                row_sum[i] = 0.0
+            q_pipe.consumer_wait(q_state)
+            for blk in cutlass.range(first, last, unroll=1):
+                kv_pipe.consumer_wait(kv_state)
+                stage = kv_state.index
+                # S = Q K_half^T over the 576 features.
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(tiled_mma_qk, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, stage], acc_s)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # Mask tokens past the length (and past the causal border), then the row max.
+                tok0 = blk * BLOCK_N + wg * HALF_N
+                part_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+                for i in cutlass.range_constexpr(2):
+                    part_max[i] = -cutlass.Float32.inf
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    r, c = tScS[e]
+                    i = 0 if (e // 2) % 2 == 0 else 1
+                    limit = seqlen - row_shift[i]
+                    s = acc_s[e]
+                    if tok0 + c >= limit:
+                        s = -cutlass.Float32.inf
+                    acc_s[e] = s
+                    part_max[i] = cute.arch.fmax(part_max[i], s)
+                for i in cutlass.range_constexpr(2):
+                    part_max[i] = cute.arch.warp_reduction_max(part_max[i], threads_in_group=4)
+                    if tid % 4 == 0:
+                        sMax[row0 + 8 * i, wg] = part_max[i]
+                consumers.arrive_and_wait()
+
+                alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
+                base = cute.make_rmem_tensor((2,), cutlass.Float32)
+                for i in cutlass.range_constexpr(2):
+                    other = sMax[row0 + 8 * i, 1 - wg]
+                    new_max = cute.arch.fmax(row_max[i], cute.arch.fmax(part_max[i], other))
+                    safe = new_max
+                    if new_max == -cutlass.Float32.inf:
+                        safe = 0.0
+                    base[i] = safe * scale_log2
+                    alpha[i] = cute.math.exp2(row_max[i] * scale_log2 - base[i], fastmath=True)
+                    row_max[i] = new_max
+                    row_sum[i] = row_sum[i] * alpha[i]
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    i = 0 if (e // 2) % 2 == 0 else 1
+                    p = cute.math.exp2(acc_s[e] * scale_log2 - base[i], fastmath=True)
+                    acc_s[e] = p
+                    row_sum[i] = row_sum[i] + p
+                for e in cutlass.range_constexpr(cute.size(acc_o)):
+                    i = 0 if (e // 2) % 2 == 0 else 1
+                    acc_o[e] = acc_o[e] * alpha[i]
+
+                # Rows of the last tile past the length may hold NaN, and 0 * NaN = NaN: zero them.
+                valid = seqlen - blk * BLOCK_N
+                if valid < BLOCK_N:
+                    self.zero_tail_rows(sV_half, stage, valid, tid)
+                rP.store(acc_s.load().to(self.dtype))
+                cute.autovec_copy(rP, tPsP)
+                cute.arch.fence_view_async_shared()
+                p_ready.arrive_and_wait()
+
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                    cute.gemm(tiled_mma_pv, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, stage], acc_o)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                kv_pipe.consumer_release(kv_state)
+                kv_state.advance()
+            q_pipe.consumer_release(q_state)
+            q_state.advance()
+
+            self.epilogue(
+                acc_o, tOcO, row_max, row_sum, sSum, sums_ready, mNumSplits, mOut, mLse, mOAccum, mLseAccum,
+                scale_log2, req, m_tile, kv_head, begin_req, begin_split, wg, tid, row0,
+            )
+
+    @cute.jit
+    def zero_tail_rows(self, sV_half, stage, valid, tid):
+        """Zero V rows (tokens) >= valid in this warpgroup's 256 columns of the stage."""
+        n = (BLOCK_N - valid) * HALF_V
+        for idx in cutlass.range(tid, n, 128, unroll=1):
+            tok = valid + idx // HALF_V
+            col = idx % HALF_V
+            sV_half[col, tok, stage] = self.dtype(0.0)
+
+    @cute.jit
+    def epilogue(
+        self, acc_o, tOcO, row_max, row_sum, sSum, sums_ready, mNumSplits, mOut, mLse, mOAccum, mLseAccum,
+        scale_log2, req, m_tile, kv_head, begin_req, begin_split, wg, tid, row0,
+    ):
+        """Normalise and write this request's rows: final output, or an fp32 partial."""
+        for i in cutlass.range_constexpr(2):
+            row_sum[i] = cute.arch.warp_reduction_sum(row_sum[i], threads_in_group=4)
+            if tid % 4 == 0:
+                sSum[row0 + 8 * i, wg] = row_sum[i]
+        sums_ready.arrive_and_wait()
+        inv = cute.make_rmem_tensor((2,), cutlass.Float32)
+        lse2 = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for i in cutlass.range_constexpr(2):
+            total = row_sum[i] + sSum[row0 + 8 * i, 1 - wg]
+            inv[i] = 0.0
+            lse2[i] = -cutlass.Float32.inf
+            if total > 0.0:
+                inv[i] = 1.0 / total
+                lse2[i] = row_max[i] * scale_log2 + cute.math.log2(total, fastmath=False)
+        # Both warpgroups read sSum above; the next request's writes come after later barriers.
+
+        n_splits = mNumSplits[req + 1] - mNumSplits[req]
+        row_base = m_tile * BLOCK_M
+        col_base = wg * HALF_V
+        if n_splits == 1:
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                r, c = tOcO[e]
+                i = 0 if (e // 2) % 2 == 0 else 1
+                if row_base + r < self.rows:
+                    mOut[req, kv_head, row_base + r, col_base + c] = (acc_o[e] * inv[i]).to(self.dtype)
+            if wg == 0 and tid % 4 == 0:
+                for i in cutlass.range_constexpr(2):
+                    r = row_base + row0 + 8 * i
+                    if r < self.rows:
+                        lse = cutlass.Float32.inf
+                        if lse2[i] != -cutlass.Float32.inf:
+                            lse = lse2[i] * LN_2
+                        mLse[req, kv_head, r] = lse
+        else:
+            split = mNumSplits[req]
+            if req == begin_req:
+                split = split + begin_split
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                r, c = tOcO[e]
+                i = 0 if (e // 2) % 2 == 0 else 1
+                if row_base + r < self.rows:
+                    mOAccum[split, kv_head, row_base + r, col_base + c] = acc_o[e] * inv[i]
+            if wg == 0 and tid % 4 == 0:
+                for i in cutlass.range_constexpr(2):
+                    r = row_base + row0 + 8 * i
+                    if r < self.rows:
+                        mLseAccum[split, kv_head, r] = lse2[i]
