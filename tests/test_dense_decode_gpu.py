@@ -1,0 +1,115 @@
+"""Dense decode kernels on the H200 against the reference backend (FlashMLA's grid and corners)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from gpu_cases import assert_close_flashmla, make_dense_case, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+OUT_ABS, OUT_REL, OUT_COS = 8e-4, 2.01 / 128, 5e-6
+LSE_ABS, LSE_REL = 1e-6, 8.01 / 65536
+
+
+def run_and_check(case, s_q, causal, *, reuse=1):
+    import mla_cute
+
+    meta, _ = mla_cute.get_mla_metadata()
+    ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(
+        **case, head_dim_v=512, tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], causal=causal,
+        backend="reference",
+    )
+    for _ in range(reuse):
+        poison_allocator()
+        out, lse = mla_cute.flash_mla_with_kvcache(
+            **case, head_dim_v=512, tile_scheduler_metadata=meta, causal=causal, backend="cute"
+        )
+        torch.cuda.synchronize()
+        assert out.dtype == case["q"].dtype and lse.dtype == torch.float32
+        assert_close_flashmla("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS)
+        assert_close_flashmla("lse", lse, ref_lse, LSE_ABS, LSE_REL)
+    return meta
+
+
+def _grid():
+    full = os.environ.get("MLA_CUTE_FULL_GRID") == "1"
+    bs = [1, 2, 6, 64] if full else [2, 64]
+    hqs = [1, 3, 9, 63, 64, 126, 128]
+    for b in bs:
+        for s_q in (1, 2, 4):
+            for s_k in (20, 140, 4096):
+                for h_q in hqs:
+                    for h_kv in (1, 2, 3, 8):
+                        if h_q % h_kv:
+                            continue
+                        if not full and h_kv > 1 and h_q not in (64, 126, 128):
+                            continue
+                        for varlen in (False, True):
+                            for causal in ((False, True) if s_q > 1 else (False,)):
+                                yield b, s_q, s_k, h_q, h_kv, varlen, causal
+
+
+GRID = list(_grid())
+
+
+@pytest.mark.parametrize("b,s_q,s_k,h_q,h_kv,varlen,causal", GRID)
+def test_dense_grid(b, s_q, s_k, h_q, h_kv, varlen, causal):
+    gen = torch.Generator().manual_seed(hash((b, s_q, s_k, h_q, h_kv, varlen, causal)) % 2**31)
+    case = make_dense_case(b, s_q, s_k, h_q, h_kv, varlen=varlen, gen=gen)
+    run_and_check(case, s_q, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_lengths_zero(dtype):
+    case = make_dense_case(128, 2, 4096, 128, 1, varlen=True, zero_half=True, dtype=dtype)
+    run_and_check(case, 2, True)
+
+
+def test_metadata_reuse_and_gpu_scheduler_matches_planner():
+    from mla_cute.schedules import plan_splits
+
+    case = make_dense_case(64, 1, 4096, 128, 1, varlen=True)
+    meta = run_and_check(case, 1, False, reuse=3)
+    records, splits = plan_splits(case["cache_seqlens"].cpu(), meta.tile_scheduler_metadata.shape[0], 64, 5)
+    assert torch.equal(meta.tile_scheduler_metadata.cpu(), records)
+    assert torch.equal(meta.num_splits.cpu(), splits)
+
+
+@pytest.mark.parametrize("page", [128, 256])
+def test_page_sizes(page):
+    case = make_dense_case(4, 1, 1000, 64, 1, varlen=True, page=page)
+    run_and_check(case, 1, False)
+
+
+def test_single_long_request():
+    case = make_dense_case(1, 1, 131072, 128, 1)
+    run_and_check(case, 1, False)
+
+
+def test_noncontiguous_q():
+    case = make_dense_case(3, 2, 700, 128, 1, varlen=True)
+    big = torch.randn(3, 2, 256, 576, device="cuda").to(torch.bfloat16)
+    big[:, :, ::2] = case["q"]
+    case["q"] = big[:, :, ::2]
+    run_and_check(case, 2, True)
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("MLA_CUTE_FUZZ", "12"))))
+def test_fuzz(seed):
+    rng = random.Random(seed)
+    h_kv = rng.choice([1, 1, 1, 2, 4])
+    h_q = h_kv * rng.choice([1, 5, 16, 32, 64, 100, 128])
+    s_q = rng.choice([1, 1, 2, 3])
+    b = rng.randint(1, 40)
+    lens = [rng.choice([0, rng.randint(1, 70), rng.randint(1, 5000)]) for _ in range(b)]
+    if max(lens) == 0:
+        lens[0] = 1
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    case = make_dense_case(b, s_q, 0, h_q, h_kv, lengths=lens, dtype=dtype,
+                           gen=torch.Generator().manual_seed(seed))
+    run_and_check(case, s_q, rng.random() < 0.5)

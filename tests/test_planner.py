@@ -1,0 +1,233 @@
+"""The split-KV planner: every KV block planned exactly once, in order, with balanced parts.
+
+``check_plan`` re-derives every property from the records alone, so it also serves as
+the oracle for the GPU scheduler kernel, which must produce identical records.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from mla_cute.schedules import RECORD_FIELDS, num_sm_parts_for, plan_splits
+
+BLOCK_N = 64
+
+
+def check_plan(lens, num_parts, fixed_cost, records, num_splits):
+    """Assert every documented property of (records, num_splits) for `lens`."""
+    b = len(lens)
+    assert records.dtype == torch.int32 and records.shape == (num_parts, len(RECORD_FIELDS))
+    assert num_splits.dtype == torch.int32 and num_splits.shape == (b + 1,)
+    # A length-0 request still costs one block: its part writes the empty result.
+    nblocks = [max(math.ceil(n / BLOCK_N), 1) for n in lens]
+    total = sum(nb + fixed_cost for nb in nblocks)
+    payload = -(-total // num_parts) + fixed_cost
+
+    covered = [[] for _ in range(b)]  # (begin, end) pieces of each request, in part order
+    prev_end = (0, 0)  # (req, block) just past the previous part's work
+    for p, rec in enumerate(records.tolist()):
+        f = dict(zip(RECORD_FIELDS, rec))
+        br, er, bb, eb = f["begin_req"], f["end_req"], f["begin_block"], f["end_block"]
+        assert f["pad"] == 0
+        if br > er:  # idle part: only after all work is handed out
+            assert prev_end == (b, 0), f"part {p} idle while work remains"
+            assert f["is_first_req_split"] == 0 and f["is_last_req_split"] == 0
+            continue
+        assert 0 <= br <= er < b
+        assert (br, bb) == prev_end, f"part {p} starts at {(br, bb)}, expected {prev_end}"
+        cost = 0
+        for r in range(br, er + 1):
+            start = bb if r == br else 0
+            if r == er:
+                # The end block of a length-0 request is written 0 (its one block is [0, 1)).
+                if lens[r] == 0:
+                    assert eb == 0, f"part {p}: empty request {r} must end at block 0"
+                    end = 1
+                else:
+                    end = eb
+            else:
+                end = nblocks[r]
+            assert 0 <= start < end <= nblocks[r], f"part {p} request {r}: bad piece [{start}, {end})"
+            covered[r].append((start, end))
+            cost += end - start + fixed_cost
+        assert cost <= payload, f"part {p} costs {cost} > {payload}"
+        assert f["begin_split_idx"] == len(covered[br]) - 1
+        end_whole = (lens[er] == 0) or eb == nblocks[er]
+        prev_end = (er + 1, 0) if end_whole else (er, eb)
+    assert prev_end == (b, 0), "not every block was planned"
+
+    for r in range(b):
+        pieces = covered[r]
+        # Contiguous, in order, exactly once: the pieces tile [0, nblocks).
+        assert pieces[0][0] == 0 and pieces[-1][1] == nblocks[r]
+        assert all(a[1] == c[0] for a, c in zip(pieces, pieces[1:]))
+        if lens[r] == 0:
+            assert len(pieces) == 1
+
+    splits = [len(c) for c in covered]
+    assert num_splits.tolist() == [0] + list(_prefix(splits))
+    # Flags: a piece is part of a split iff its request is cut across several parts.
+    for rec in records.tolist():
+        f = dict(zip(RECORD_FIELDS, rec))
+        if f["begin_req"] > f["end_req"]:
+            continue
+        first = splits[f["begin_req"]] > 1
+        last = splits[f["end_req"]] > 1
+        if f["begin_req"] == f["end_req"]:
+            assert f["is_first_req_split"] == f["is_last_req_split"] == int(first)
+        else:
+            assert f["is_first_req_split"] == int(first)
+            assert f["is_last_req_split"] == int(last)
+    return splits
+
+
+def _prefix(xs):
+    acc = 0
+    for x in xs:
+        acc += x
+        yield acc
+
+
+def plan_and_check(lens, num_parts, fixed_cost=5):
+    records, num_splits = plan_splits(torch.tensor(lens, dtype=torch.int32), num_parts, BLOCK_N, fixed_cost)
+    return check_plan(lens, num_parts, fixed_cost, records, num_splits)
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_lengths(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        b = rng.randint(1, 80)
+        max_len = rng.choice([1, 64, 200, 4096, 20000])
+        lens = [rng.randint(0, max_len) for _ in range(b)]
+        num_parts = rng.choice([1, 2, 7, 33, 66, 132])
+        fixed_cost = rng.choice([0, 1, 5, 11])
+        plan_and_check(lens, num_parts, fixed_cost)
+
+
+@pytest.mark.parametrize("num_parts", [1, 3, 132])
+def test_some_zero_lengths(num_parts):
+    rng = random.Random(num_parts)
+    lens = [0 if i % 2 else rng.randint(1, 4096) for i in range(64)]
+    plan_and_check(lens, num_parts)
+
+
+@pytest.mark.parametrize("b,num_parts", [(1, 1), (1, 132), (5, 3), (128, 132), (300, 16)])
+def test_all_zero_lengths(b, num_parts):
+    splits = plan_and_check([0] * b, num_parts)
+    assert splits == [1] * b
+
+
+def test_zero_length_at_the_end_of_a_part():
+    # Part 0 ends on request 1 (empty): its end_block is 0, not 1.
+    # Costs 15 + 6 + 15 over 2 parts: payload 23, so part 0 stops right after request 1.
+    records, num_splits = plan_splits(torch.tensor([640, 0, 640], dtype=torch.int32), 2, BLOCK_N, 5)
+    assert records.tolist() == [[0, 1, 0, 0, 0, 0, 0, 0], [2, 2, 0, 10, 0, 0, 0, 0]]
+    check_plan([640, 0, 640], 2, 5, records, num_splits)
+
+
+@pytest.mark.parametrize("fixed_cost", [0, 5])
+def test_single_long_request(fixed_cost):
+    lens, num_parts = [131072], 132
+    splits = plan_and_check(lens, num_parts, fixed_cost)
+    # 2048 blocks, each part takes ceil((2048 + fixed_cost) / 132) = 16: 128 busy parts, 4 idle.
+    assert splits == [128]
+    records, _ = plan_splits(torch.tensor(lens, dtype=torch.int32), num_parts, BLOCK_N, fixed_cost)
+    busy = records[:128]
+    assert busy[:, RECORD_FIELDS.index("begin_split_idx")].tolist() == list(range(128))
+    assert busy[:, RECORD_FIELDS.index("begin_block")].tolist() == list(range(0, 2048, 16))
+    assert torch.all(busy[:, RECORD_FIELDS.index("is_first_req_split")] == 1)
+    assert torch.all(records[128:, 0] > records[128:, 1])
+
+
+def test_more_requests_than_parts():
+    rng = random.Random(7)
+    lens = [rng.randint(1, 300) for _ in range(500)]
+    plan_and_check(lens, 17)
+
+
+@pytest.mark.parametrize("lens", [[1], [0], [64, 65, 0, 4096], [5] * 40])
+def test_one_part_takes_everything(lens):
+    records, num_splits = plan_splits(torch.tensor(lens, dtype=torch.int32), 1, BLOCK_N, 5)
+    check_plan(lens, 1, 5, records, num_splits)
+    rec = dict(zip(RECORD_FIELDS, records[0].tolist()))
+    assert (rec["begin_req"], rec["end_req"], rec["begin_block"]) == (0, len(lens) - 1, 0)
+    assert num_splits.tolist() == list(range(len(lens) + 1))
+
+
+def test_fixed_cost_zero_balances_blocks_exactly():
+    # 10 requests of 3 blocks over 6 parts: 30 blocks, 5 per part, no slack.
+    records, num_splits = plan_splits(torch.full((10,), 192, dtype=torch.int32), 6, BLOCK_N, 0)
+    check_plan([192] * 10, 6, 0, records, num_splits)
+    blocks = []
+    for rec in records.tolist():
+        f = dict(zip(RECORD_FIELDS, rec))
+        n = 0
+        for r in range(f["begin_req"], f["end_req"] + 1):
+            start = f["begin_block"] if r == f["begin_req"] else 0
+            end = f["end_block"] if r == f["end_req"] else 3
+            n += end - start
+        blocks.append(n)
+    assert blocks == [5] * 6
+
+
+def test_more_parts_than_work_leaves_idle_parts():
+    records, num_splits = plan_splits(torch.tensor([10, 20], dtype=torch.int32), 132, BLOCK_N, 5)
+    check_plan([10, 20], 132, 5, records, num_splits)
+    idle = records[:, 0] > records[:, 1]
+    assert idle.sum() >= 100
+
+
+def test_accepts_other_int_dtypes():
+    lens = [100, 0, 3000]
+    a = plan_splits(torch.tensor(lens, dtype=torch.int32), 9)
+    b = plan_splits(torch.tensor(lens, dtype=torch.int64), 9)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize(
+    "lens,num_parts,block_n,fixed_cost",
+    [([1], 0, 64, 5), ([1], 1, 0, 5), ([1], 1, 64, -1), ([], 4, 64, 5), ([3, -1], 4, 64, 5)],
+)
+def test_rejects_bad_arguments(lens, num_parts, block_n, fixed_cost):
+    with pytest.raises(ValueError):
+        plan_splits(torch.tensor(lens, dtype=torch.int32), num_parts, block_n, fixed_cost)
+
+
+# ----------------------------------------------------------------------------- part count
+
+
+def _parts_formula(num_sms, s_q, h_q, h_kv):
+    return max(num_sms // h_kv // math.ceil(s_q * h_q / h_kv / 64), 1)
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        ((132, 1, 128, 1), 66),
+        ((132, 1, 64, 1), 132),
+        ((132, 2, 16, 1), 132),
+        ((132, 2, 128, 1), 33),
+        ((132, 4, 128, 1), 16),
+        ((132, 1, 128, 2), 66),
+        ((132, 1, 3, 3), 44),
+        ((132, 2, 63, 3), 44),
+        ((78, 1, 128, 8), 9),
+        ((1, 4, 128, 8), 1),
+    ],
+)
+def test_num_sm_parts_examples(args, expected):
+    assert num_sm_parts_for(*args) == expected == _parts_formula(*args)
+
+
+def test_num_sm_parts_matches_formula_on_grid():
+    for num_sms in (1, 78, 114, 132):
+        for s_q in (1, 2, 4):
+            for h_kv in (1, 2, 3, 8):
+                for h_q in (h_kv * g for g in (1, 3, 21, 32, 64, 126)):
+                    assert num_sm_parts_for(num_sms, s_q, h_q, h_kv) == _parts_formula(num_sms, s_q, h_q, h_kv)
