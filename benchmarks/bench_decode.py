@@ -1,0 +1,127 @@
+"""Dense decode benchmark, by the anchor's method (../shared/anchors/README.md of the project's notes).
+
+Fixed s_k per request, page 64, random block table, random normal bf16 q and cache,
+softmax_scale 576**-0.5, causal when s_q > 1, metadata computed on the first call and
+reused; time = median of triton.testing.do_bench(fn, warmup=20, rep=200) over the
+whole call (split kernel + combine).  FLOPs = 2*b*s_q*h_q*s_k*(576+512);
+bytes = 2*(b*s_k*576 + b*s_q*h_q*(576+512)).
+
+    python benchmarks/bench_decode.py [--out results.json] [--anchor anchors.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+
+import torch
+
+import mla_cute
+
+CONFIGS = [  # (b, s_q, h_q, s_k): the anchor's rows
+    (128, 1, 128, 4096), (128, 2, 128, 4096), (128, 1, 128, 8192), (128, 2, 128, 8192),
+    (128, 1, 128, 16384), (128, 1, 128, 32768), (128, 1, 64, 8192), (128, 1, 32, 8192),
+    (128, 1, 16, 8192), (64, 1, 16, 16384), (128, 4, 16, 8192), (8, 1, 128, 65536),
+    (1, 1, 128, 131072),
+]
+ANCHOR = os.path.join(os.path.dirname(__file__), "results", "anchor_flashmla_dense_h200.json")
+
+
+def bench(fn, warmup=20, rep=200):
+    try:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    except ImportError:  # same idea with CUDA events: ms, median of many runs
+        for _ in range(10):
+            fn()
+        times = []
+        for _ in range(100):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        return statistics.median(times)
+
+
+def make_inputs(b, s_q, h_q, s_k, dtype=torch.bfloat16, page=64, device="cuda"):
+    blocks = (s_k + page - 1) // page
+    block_table = torch.randperm(b * blocks, device=device, dtype=torch.int32).view(b, blocks)
+    k_cache = torch.randn(b * blocks, page, 1, 576, device=device, dtype=dtype)
+    q = torch.randn(b, s_q, h_q, 576, device=device, dtype=dtype)
+    seqlens = torch.full((b,), s_k, device=device, dtype=torch.int32)
+    return q, k_cache, block_table, seqlens
+
+
+def rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out):
+    if b * s_k > 128 * 8192:  # the reference would take too long
+        return float("nan")
+    ref, _ = mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, mla_cute.get_mla_metadata()[0],
+                                             causal=s_q > 1, backend="reference")
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def run(configs, schedule_name="default"):
+    rows = []
+    for b, s_q, h_q, s_k in configs:
+        torch.manual_seed(b * 7 + s_q * 3 + h_q + s_k)
+        q, k_cache, block_table, seqlens = make_inputs(b, s_q, h_q, s_k)
+        meta, _ = mla_cute.get_mla_metadata()
+
+        def fn():
+            return mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=s_q > 1,
+                                                   backend="cute")
+
+        out, _ = fn()
+        torch.cuda.synchronize()
+        err = rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out)
+        ms = bench(fn)
+        us = ms * 1e3
+        flops = 2 * b * s_q * h_q * s_k * (576 + 512)
+        nbytes = 2 * (b * s_k * 576 + b * s_q * h_q * (576 + 512))
+        rows.append(dict(b=b, s_q=s_q, h_q=h_q, s_k=s_k, us=us, tflops=flops / us / 1e6, gbps=nbytes / us / 1e3,
+                         rel_err=err, schedule=schedule_name))
+        del q, k_cache, block_table, seqlens, out, meta
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows, anchor):
+    ref = {(r["b"], r["s_q"], r["h_q"], r["s_k"]): r for r in anchor}
+    lines = ["| b | s_q | h_q | s_k | us | TFLOP/s | GB/s | rel_err | FlashMLA us | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a = ref.get((r["b"], r["s_q"], r["h_q"], r["s_k"]))
+        ratio = a["us"] / r["us"] if a else float("nan")
+        r["anchor_us"] = a["us"] if a else None
+        r["ratio"] = ratio
+        lines.append(f"| {r['b']} | {r['s_q']} | {r['h_q']} | {r['s_k']} | {r['us']:.1f} | {r['tflops']:.0f} | "
+                     f"{r['gbps']:.0f} | {r['rel_err']:.2e} | {a['us'] if a else float('nan'):.1f} | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--anchor", default=ANCHOR)
+    ap.add_argument("--quick", action="store_true", help="three rows only")
+    args = ap.parse_args()
+    configs = CONFIGS[:1] + CONFIGS[6:7] + CONFIGS[-1:] if args.quick else CONFIGS
+    rows = run(configs)
+    anchor = json.load(open(args.anchor)) if os.path.exists(args.anchor) else []
+    print(table(rows, anchor))
+    if args.out:
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
+                    method="median of triton.testing.do_bench(warmup=20, rep=200), whole call")
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
