@@ -41,7 +41,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
@@ -118,16 +119,16 @@ class DenseDecodeKernel:
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype,
-            warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (1, 1, 1), (BLOCK_M, HALF_N),
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype,
-            warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
             cutlass.Float32, (1, 1, 1), (BLOCK_M, HALF_V),
         )
-        k_major = utils.LayoutEnum.ROW_MAJOR  # K-major operand (A or B)
-        mn_major = utils.LayoutEnum.COL_MAJOR
+        k_major = LayoutEnum.ROW_MAJOR  # K-major operand (A or B)
+        mn_major = LayoutEnum.COL_MAJOR
         sQ_layout = cute.slice_(
             sm90_utils.make_smem_layout_a(k_major, (BLOCK_M, BLOCK_N, D_QK), self.dtype, 1), (None, None, 0)
         )
@@ -211,7 +212,7 @@ class DenseDecodeKernel:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         q_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.q_mbar.data_ptr(),

@@ -63,19 +63,13 @@ def _lengths_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t._version, tuple(t.shape), t.device)
 
 
-def _bind_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, lengths: Optional[torch.Tensor]) -> bool:
-    """Record or check the config.  Returns True on the first call (metadata to compute)."""
+def _check_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, lengths: Optional[torch.Tensor]) -> bool:
+    """Check a reused metadata object against this call.  Returns True when it is still empty."""
     if not isinstance(meta, FlashMLASchedMeta):
         raise TypeError(
             f"tile_scheduler_metadata must be a FlashMLASchedMeta (from get_mla_metadata()), got {type(meta).__name__}"
         )
     if not meta.have_initialized:
-        meta.config = config
-        meta.have_initialized = True
-        if lengths is not None:
-            meta._lengths_ref = lengths
-            meta._lengths_key = _lengths_key(lengths)
-            meta._lengths_copy = lengths.clone()
         return True
     if meta.config != config:
         diffs = [
@@ -88,17 +82,24 @@ def _bind_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, le
             "call get_mla_metadata() again for a new configuration"
         )
     if lengths is not None and (lengths is not meta._lengths_ref or _lengths_key(lengths) != meta._lengths_key):
-        same = True
         capturing = lengths.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            same = torch.equal(lengths, meta._lengths_copy)
-        if not same:
+        if not capturing and not torch.equal(lengths, meta._lengths_copy):
             raise ValueError(
                 "tile_scheduler_metadata was computed for other cache_seqlens/topk_length values; "
                 "call get_mla_metadata() again when the lengths change"
             )
         meta._lengths_ref, meta._lengths_key = lengths, _lengths_key(lengths)
     return False
+
+
+def _bind_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, lengths: Optional[torch.Tensor]) -> None:
+    """Record what an empty metadata object is computed for (after the call's checks passed)."""
+    meta.config = config
+    meta.have_initialized = True
+    if lengths is not None:
+        meta._lengths_ref = lengths
+        meta._lengths_key = _lengths_key(lengths)
+        meta._lengths_copy = lengths.clone()
 
 
 def flash_mla_with_kvcache(
@@ -179,9 +180,11 @@ def flash_mla_with_kvcache(
             q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
             causal, is_fp8_kvcache, None,
         )
-        first = _bind_metadata(tile_scheduler_metadata, config, cache_seqlens)
-        if first and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
+        first = _check_metadata(tile_scheduler_metadata, config, cache_seqlens)
+        if first:
+            if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
+            _bind_metadata(tile_scheduler_metadata, config, cache_seqlens)
         causal = causal and q.shape[1] > 1
         if kind == "reference":
             if first:
@@ -206,7 +209,8 @@ def flash_mla_with_kvcache(
         q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
         False, True, indices.shape[-1],
     )
-    first = _bind_metadata(tile_scheduler_metadata, config, topk_length)
+    if _check_metadata(tile_scheduler_metadata, config, topk_length):
+        _bind_metadata(tile_scheduler_metadata, config, topk_length)
     if kind == "reference":
         return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v)
     raise NotImplementedError("sparse FP8 decode has no 'cute' kernel yet; pass backend='reference'")

@@ -5,8 +5,10 @@ Byte layout of one token:
   [512, 528)  4 x float32 scales, one per tile, each a power of two
   [528, 656)  64 x bfloat16 RoPE values, not quantized
 
-A power-of-two scale makes ``fp8 * scale`` exact in bf16, so dequantizing and
-quantizing again reproduces the same bytes.
+A power-of-two scale makes ``fp8 * scale`` exact in bf16, so a dequantized cache is a
+fixed point: ``dequantize(quantize(y)) == y`` for ``y = dequantize(quantize(x))``.  (The
+bytes can differ: a tile whose largest value rounds down to 224 * scale gets half the
+scale the second time, with the same values.)  The scale rule is FlashMLA's.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ SENTINEL_BLOCK = 2147480000  # FlashMLA's value for unused block-table entries
 
 
 def make_dense_case(b, s_q, s_k, h_q, h_kv, *, varlen=False, page=64, dtype=torch.bfloat16, zero_half=False,
-                    device="cuda", gen=None, lengths=None):
-    """Random paged decode inputs with FlashMLA's poison: NaN past each length, sentinel block ids."""
+                    device="cuda", gen=None, lengths=None, scale=0.1):
+    """Random paged decode inputs as FlashMLA's tests make them (normal / 10, clamped to [-1, 1]), with
+    its poison: NaN past each length, sentinel ids in unused block-table entries."""
     gen = gen or torch.Generator(device="cpu").manual_seed(0)
     if lengths is None:
         if varlen:
@@ -29,7 +30,7 @@ def make_dense_case(b, s_q, s_k, h_q, h_kv, *, varlen=False, page=64, dtype=torc
     for i in range(b):
         used = math.ceil(int(lens[i]) / page)
         block_table[i, :used] = perm[i, :used]
-    cache = torch.randn(num_blocks, page, h_kv, 576, generator=gen).to(dtype)
+    cache = (torch.randn(num_blocks, page, h_kv, 576, generator=gen) * scale).clamp(-1, 1).to(dtype)
     flat = cache.view(num_blocks * page, h_kv, 576)
     poison = torch.ones(num_blocks * page, dtype=torch.bool)
     for i in range(b):
@@ -38,7 +39,7 @@ def make_dense_case(b, s_q, s_k, h_q, h_kv, *, varlen=False, page=64, dtype=torc
             n = min(page, int(lens[i]) - t)
             poison[blk * page: blk * page + n] = False
     flat[poison] = float("nan")
-    q = torch.randn(b, s_q, h_q, 576, generator=gen).to(dtype)
+    q = (torch.randn(b, s_q, h_q, 576, generator=gen) * scale).clamp(-1, 1).to(dtype)
     return dict(
         q=q.to(device), k_cache=cache.to(device), block_table=block_table.to(device),
         cache_seqlens=lens.to(torch.int32).to(device),

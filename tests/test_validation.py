@@ -280,7 +280,6 @@ def test_dense_metadata_reused_for_sparse():
         mla_cute.flash_mla_with_kvcache(**sparse_args(tile_scheduler_metadata=meta, q=torch.zeros(2, 1, 4, D_QK, dtype=bf16)))
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: a call rejected by the value checks still binds the metadata object")
 def test_metadata_usable_after_rejected_call_with_other_lengths():
     meta = mla_cute.get_mla_metadata()[0]
     with pytest.raises(ValueError):
@@ -288,7 +287,6 @@ def test_metadata_usable_after_rejected_call_with_other_lengths():
     mla_cute.flash_mla_with_kvcache(**dense_args(tile_scheduler_metadata=meta))
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: a call rejected by the value checks still binds the metadata object")
 def test_metadata_filled_after_rejected_call():
     meta = mla_cute.get_mla_metadata()[0]
     with pytest.raises(ValueError):
