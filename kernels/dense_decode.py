@@ -93,6 +93,7 @@ class DenseDecodeKernel:
         self.causal = causal
         self.page_size = page_size
         self.kv_stages = schedule.kv_stages
+        self.qk_prefetch = schedule.qk_prefetch
         self.m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
         self.tiles_per_page = page_size // BLOCK_N
 
@@ -117,11 +118,14 @@ class DenseDecodeKernel:
         q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
         k = cute.make_tensor(mKCache.iterator, cute.select(mKCache.layout, mode=[1, 3, 2, 0]))
 
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype,
-            cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (BLOCK_M, HALF_N),
-        )
+        tiled_mma_qk, mma_qk_first = [
+            sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype,
+                cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+                cutlass.Float32, (1, 1, 1), (BLOCK_M, HALF_N),
+            )
+            for _ in range(2)
+        ]
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype,
             cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
@@ -169,7 +173,7 @@ class DenseDecodeKernel:
         num_parts = mSched.shape[0]
         h_kv = mQ.shape[2]
         self.kernel(
-            tiled_mma_qk, tiled_mma_pv,
+            mma_qk_first, tiled_mma_qk, tiled_mma_pv,
             tma_atom_q, tma_q, tma_atom_k, tma_k,
             mBlockTable, mSeqlens, mSched, mNumSplits,
             mOut, mLse, mOAccum, mLseAccum,
@@ -187,6 +191,7 @@ class DenseDecodeKernel:
     @cute.kernel
     def kernel(
         self,
+        mma_qk_first: cute.TiledMma,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         tma_atom_q: cute.CopyAtom,
@@ -255,7 +260,7 @@ class DenseDecodeKernel:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
-                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP,
+                mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP,
                 storage.row_max.get_tensor(cute.make_layout((BLOCK_M, 2))),
                 storage.row_sum.get_tensor(cute.make_layout((BLOCK_M, 2))),
                 q_pipe, kv_pipe,
@@ -315,11 +320,14 @@ class DenseDecodeKernel:
     # ------------------------------------------------------------- consumers
     @cute.jit
     def consume(
-        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sMax, sSum, q_pipe, kv_pipe,
+        self, mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sMax, sSum, q_pipe, kv_pipe,
         mSeqlens, mNumSplits, mOut, mLse, mOAccum, mLseAccum, scale_log2,
         m_tile, kv_head, begin_req, end_req, begin_block, end_block, begin_split,
         wg, tid,
     ):
+        mma_qk_first.set(warpgroup.Field.ACCUMULATE, False)
+        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         thr_qk = tiled_mma_qk.get_slice(tid)
         thr_pv = tiled_mma_pv.get_slice(tid)
         # This warpgroup's 32 tokens of K and 256 columns of V, in every stage.
@@ -356,6 +364,7 @@ class DenseDecodeKernel:
         p_ready = pipeline.NamedBarrier(barrier_id=int(BarrierId.P_READY), num_threads=256)
         sums_ready = pipeline.NamedBarrier(barrier_id=int(BarrierId.ROW_SUM), num_threads=256)
 
+        acc_s_next = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, HALF_N)))
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         for req in cutlass.range(begin_req, end_req + 1, unroll=1):
@@ -366,75 +375,46 @@ class DenseDecodeKernel:
                 row_max[i] = -cutlass.Float32.inf
                 row_sum[i] = 0.0
             q_pipe.consumer_wait(q_state)
-            for blk in cutlass.range(first, last, unroll=1):
-                kv_pipe.consumer_wait(kv_state)
-                stage = kv_state.index
-                # S = Q K_half^T over the 576 features.
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                    tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(tiled_mma_qk, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, stage], acc_s)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-
-                # Mask tokens past the length (and past the causal border), then the row max.
-                tok0 = blk * BLOCK_N + wg * HALF_N
-                part_max = cute.make_rmem_tensor((2,), cutlass.Float32)
-                for i in cutlass.range_constexpr(2):
-                    part_max[i] = -cutlass.Float32.inf
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    r, c = tScS[e]
-                    i = 0 if (e // 2) % 2 == 0 else 1
-                    limit = seqlen - row_shift[i]
-                    s = acc_s[e]
-                    if tok0 + c >= limit:
-                        s = -cutlass.Float32.inf
-                    acc_s[e] = s
-                    part_max[i] = cute.arch.fmax(part_max[i], s)
-                for i in cutlass.range_constexpr(2):
-                    part_max[i] = cute.arch.warp_reduction_max(part_max[i], threads_in_group=4)
-                    if tid % 4 == 0:
-                        sMax[row0 + 8 * i, wg] = part_max[i]
-                consumers.arrive_and_wait()
-
-                alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
-                base = cute.make_rmem_tensor((2,), cutlass.Float32)
-                for i in cutlass.range_constexpr(2):
-                    other = sMax[row0 + 8 * i, 1 - wg]
-                    new_max = cute.arch.fmax(row_max[i], cute.arch.fmax(part_max[i], other))
-                    safe = new_max
-                    if new_max == -cutlass.Float32.inf:
-                        safe = 0.0
-                    base[i] = safe * scale_log2
-                    alpha[i] = cute.math.exp2(row_max[i] * scale_log2 - base[i], fastmath=True)
-                    row_max[i] = new_max
-                    row_sum[i] = row_sum[i] * alpha[i]
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    i = 0 if (e // 2) % 2 == 0 else 1
-                    p = cute.math.exp2(acc_s[e] * scale_log2 - base[i], fastmath=True)
-                    acc_s[e] = p
-                    row_sum[i] = row_sum[i] + p
-                for e in cutlass.range_constexpr(cute.size(acc_o)):
-                    i = 0 if (e // 2) % 2 == 0 else 1
-                    acc_o[e] = acc_o[e] * alpha[i]
-
-                # Rows of the last tile past the length may hold NaN, and 0 * NaN = NaN: zero them.
-                valid = seqlen - blk * BLOCK_N
-                if valid < BLOCK_N:
-                    self.zero_tail_rows(sV_half, stage, valid, tid)
-                rP.store(acc_s.load().to(self.dtype))
-                cute.autovec_copy(rP, tPsP)
-                cute.arch.fence_view_async_shared()
-                p_ready.arrive_and_wait()
-
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                    tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-                    cute.gemm(tiled_mma_pv, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, stage], acc_o)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                kv_pipe.consumer_release(kv_state)
-                kv_state.advance()
+            if cutlass.const_expr(self.qk_prefetch):
+                # The next tile's S is issued on the tensor cores before this tile's softmax.
+                # The last tile is peeled so every wait in the loop has a fixed depth.
+                if first < last:
+                    kv_pipe.consumer_wait(kv_state)
+                    self.mma_qk(mma_qk_first, tiled_mma_qk, acc_s, tSrQ, tSrK, kv_state.index)
+                    # Settle the first S before the loop: its registers enter the loop through a
+                    # copy, and copying an in-flight accumulator would serialize every WGMMA.
+                    warpgroup.wait_group(0)
+                    for blk in cutlass.range(first, last - 1, unroll=1):
+                        next_state = kv_state.clone()
+                        next_state.advance()
+                        kv_pipe.consumer_wait(next_state)
+                        self.mma_qk(mma_qk_first, tiled_mma_qk, acc_s_next, tSrQ, tSrK, next_state.index)
+                        warpgroup.wait_group(1)
+                        self.finish_tile(
+                            tiled_mma_pv, acc_s, acc_o, rP, tPsP, tOrP, tOrV, tScS, sV_half, sMax, consumers, p_ready,
+                            row_max, row_sum, row_shift, seqlen, blk, kv_state.index, scale_log2, wg, tid, row0,
+                        )
+                        kv_pipe.consumer_release(kv_state)
+                        kv_state.advance()
+                        acc_s.store(acc_s_next.load())
+                    warpgroup.wait_group(0)
+                    self.finish_tile(
+                        tiled_mma_pv, acc_s, acc_o, rP, tPsP, tOrP, tOrV, tScS, sV_half, sMax, consumers, p_ready,
+                        row_max, row_sum, row_shift, seqlen, last - 1, kv_state.index, scale_log2, wg, tid, row0,
+                    )
+                    kv_pipe.consumer_release(kv_state)
+                    kv_state.advance()
+            else:
+                for blk in cutlass.range(first, last, unroll=1):
+                    kv_pipe.consumer_wait(kv_state)
+                    self.mma_qk(mma_qk_first, tiled_mma_qk, acc_s, tSrQ, tSrK, kv_state.index)
+                    warpgroup.wait_group(0)
+                    self.finish_tile(
+                        tiled_mma_pv, acc_s, acc_o, rP, tPsP, tOrP, tOrV, tScS, sV_half, sMax, consumers, p_ready,
+                        row_max, row_sum, row_shift, seqlen, blk, kv_state.index, scale_log2, wg, tid, row0,
+                    )
+                    kv_pipe.consumer_release(kv_state)
+                    kv_state.advance()
             q_pipe.consumer_release(q_state)
             q_state.advance()
 
@@ -442,6 +422,88 @@ class DenseDecodeKernel:
                 acc_o, tOcO, row_max, row_sum, sSum, sums_ready, mNumSplits, mOut, mLse, mOAccum, mLseAccum,
                 scale_log2, req, m_tile, kv_head, begin_req, begin_split, wg, tid, row0,
             )
+
+    @cute.jit
+    def finish_tile(
+        self, tiled_mma_pv, acc_s, acc_o, rP, tPsP, tOrP, tOrV, tScS, sV_half, sMax, consumers, p_ready,
+        row_max, row_sum, row_shift, seqlen, blk, stage, scale_log2, wg, tid, row0,
+    ):
+        """With S of tile ``blk`` in registers: softmax, P into sP, O += P V (waits for the tensor cores)."""
+        self.online_softmax(
+            acc_s, acc_o, tScS, row_max, row_sum, row_shift, sMax, consumers,
+            seqlen, blk * BLOCK_N + wg * HALF_N, scale_log2, wg, tid, row0,
+        )
+        # Rows of the last tile past the length may hold NaN, and 0 * NaN = NaN: zero them.
+        valid = seqlen - blk * BLOCK_N
+        if valid < BLOCK_N:
+            self.zero_tail_rows(sV_half, stage, valid, tid)
+        rP.store(acc_s.load().to(self.dtype))
+        cute.autovec_copy(rP, tPsP)
+        cute.arch.fence_view_async_shared()
+        p_ready.arrive_and_wait()
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(tiled_mma_pv, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, stage], acc_o)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def mma_qk(self, mma_first, mma_rest, acc_s, tSrQ, tSrK, stage):
+        """Issue S = Q K_half^T over the 576 features (asynchronous: the caller waits).
+
+        ``mma_first`` overwrites the accumulator, ``mma_rest`` adds to it: two objects with
+        fixed flags, because setting a flag inside staged control flow would leak the value.
+        """
+        warpgroup.fence()
+        cute.gemm(mma_first, acc_s, tSrQ[None, None, 0], tSrK[None, None, 0, stage], acc_s)
+        for kb in cutlass.range_constexpr(1, cute.size(tSrQ, mode=[2])):
+            cute.gemm(mma_rest, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, stage], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def online_softmax(
+        self, acc_s, acc_o, tScS, row_max, row_sum, row_shift, sMax, consumers,
+        seqlen, tok0, scale_log2, wg, tid, row0,
+    ):
+        """Mask, share the row max with the other warpgroup, turn S into P, rescale O and the sums."""
+        part_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for i in cutlass.range_constexpr(2):
+            part_max[i] = -cutlass.Float32.inf
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            r, c = tScS[e]
+            i = (e // 2) % 2  # accumulator value e sits in row row0 + 8 * i
+            s = acc_s[e]
+            if tok0 + c >= seqlen - row_shift[i]:
+                s = -cutlass.Float32.inf
+            acc_s[e] = s
+            part_max[i] = cute.arch.fmax(part_max[i], s)
+        for i in cutlass.range_constexpr(2):
+            part_max[i] = cute.arch.warp_reduction_max(part_max[i], threads_in_group=4)
+            if tid % 4 == 0:
+                sMax[row0 + 8 * i, wg] = part_max[i]
+        consumers.arrive_and_wait()
+
+        alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
+        base = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for i in cutlass.range_constexpr(2):
+            other = sMax[row0 + 8 * i, 1 - wg]
+            new_max = cute.arch.fmax(row_max[i], cute.arch.fmax(part_max[i], other))
+            safe = new_max
+            if new_max == -cutlass.Float32.inf:
+                safe = 0.0
+            base[i] = safe * scale_log2
+            alpha[i] = cute.math.exp2(row_max[i] * scale_log2 - base[i], fastmath=True)
+            row_max[i] = new_max
+            row_sum[i] = row_sum[i] * alpha[i]
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            i = (e // 2) % 2
+            p = cute.math.exp2(acc_s[e] * scale_log2 - base[i], fastmath=True)
+            acc_s[e] = p
+            row_sum[i] = row_sum[i] + p
+        # Once the row maxima settle, alpha is 1: skip the 128 multiplies.
+        if cutlass.min(alpha[0], alpha[1]) != 1.0:
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
 
     @cute.jit
     def zero_tail_rows(self, sV_half, stage, valid, tid):

@@ -19,11 +19,15 @@ class DenseDecodeSchedule:
     """Tunables of ``kernels/dense_decode.py``.
 
     kv_stages: KV tiles in flight (64 x 576 each, 72 KiB in 16-bit): 2 fits next to Q.
+    qk_prefetch: issue the next tile's S = Q K^T before this tile's softmax, so the tensor
+        cores work while the CUDA cores do the softmax (needs kv_stages >= 2).  False is the
+        first, fully serial schedule, kept to measure the gain.
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     num_sm_parts: CTAs per (KV head, M tile); None = FlashMLA's rule from the SM count.
     """
 
     kv_stages: int = 2
+    qk_prefetch: bool = True
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
 
@@ -38,6 +42,10 @@ class DenseDecodeSchedule:
         """Reject impossible schedules before compiling, with the reason."""
         if not isinstance(self.kv_stages, int) or self.kv_stages < 1:
             raise ValueError(f"kv_stages must be an int >= 1, got {self.kv_stages!r}")
+        if not isinstance(self.qk_prefetch, bool):
+            raise ValueError(f"qk_prefetch must be a bool, got {self.qk_prefetch!r}")
+        if self.qk_prefetch and self.kv_stages < 2:
+            raise ValueError("qk_prefetch needs kv_stages >= 2 (the next tile must be resident)")
         if not isinstance(self.split_fixed_cost, int) or self.split_fixed_cost < 0:
             raise ValueError(f"split_fixed_cost must be an int >= 0, got {self.split_fixed_cost!r}")
         if self.num_sm_parts is not None and (not isinstance(self.num_sm_parts, int) or self.num_sm_parts < 1):
@@ -51,3 +59,5 @@ class DenseDecodeSchedule:
 
 
 DEFAULT_DENSE_SCHEDULE = DenseDecodeSchedule()
+# The first schedule: every step of a tile waits for the previous one.
+SERIAL_DENSE_SCHEDULE = DenseDecodeSchedule(qk_prefetch=False)
