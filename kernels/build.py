@@ -38,22 +38,37 @@ def dense_decode_signature(dtype, rows: int, h_kv: int, page: int):
 
 
 def dense_decode_key(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int, schedule: DenseDecodeSchedule):
-    return ("dense_decode", str(torch_dtype), s_q, h_q // h_kv, h_kv, bool(causal and s_q > 1), page, schedule)
+    return ("dense_decode", str(torch_dtype), s_q, h_q // h_kv, h_kv, bool(causal and s_q > 1), page,
+            schedule.kernel_key())
+
+
+def _describe(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) -> str:
+    return (f"{str(torch_dtype).replace('torch.', '')} s_q={s_q} h_q={h_q} h_kv={h_kv} causal={causal} "
+            f"page={page} kv_stages={schedule.kv_stages} qk_prefetch={schedule.qk_prefetch}")
 
 
 def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int,
-                         schedule: DenseDecodeSchedule, options: str = ""):
-    """Compile (or fetch from the in-process cache) the dense decode kernel for these static facts."""
-    key = dense_decode_key(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) + (options,)
+                         schedule: DenseDecodeSchedule, options: str = "", *, with_combine: bool = False):
+    """The compiled dense decode split kernel for these static facts (``with_combine``: split + combine
+    behind one host entry, as the runtime calls it)."""
+    schedule.validate()
+    key = dense_decode_key(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) + (options, with_combine)
 
     def build():
         dtype = cutlass_dtype(torch_dtype)
         group = h_q // h_kv
         kernel = DenseDecodeKernel(dtype, s_q * group, group, s_q, causal and s_q > 1, page, schedule)
+        if with_combine:
+            from .combine import CombineKernel
+            from .dense_step import DenseDecodeStep
+
+            kernel = DenseDecodeStep(kernel, CombineKernel(dtype, s_q * group))
         args = dense_decode_signature(dtype, s_q * group, h_kv, page)
         return cute.compile(kernel, *args, options=compile_options(options))
 
-    return cached_compile(key, build)
+    what = ("dense decode step " if with_combine else "dense decode split kernel ") + _describe(
+        torch_dtype, s_q, h_q, h_kv, causal and s_q > 1, page, schedule)
+    return cached_compile(key, build, describe=what, persistent=not options)
 
 
 def compile_combine(torch_dtype, rows: int, h_kv: int, options: str = ""):
@@ -75,7 +90,7 @@ def compile_combine(torch_dtype, rows: int, h_kv: int, options: str = ""):
         )
         return cute.compile(CombineKernel(dtype, rows), *args, options=compile_options(options))
 
-    return cached_compile(key, build)
+    return cached_compile(key, build, describe=f"combine rows={rows} h_kv={h_kv}", persistent=not options)
 
 
 def compile_scheduler(fixed_cost: int, options: str = ""):
@@ -92,4 +107,4 @@ def compile_scheduler(fixed_cost: int, options: str = ""):
         )
         return cute.compile(SchedulerKernel(fixed_cost), *args, options=compile_options(options))
 
-    return cached_compile(key, build)
+    return cached_compile(key, build, describe=f"scheduler fixed_cost={fixed_cost}", persistent=not options)

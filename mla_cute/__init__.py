@@ -1,6 +1,13 @@
 """mla-cute: FlashMLA-compatible Multi-head Latent Attention kernels for Hopper in the CuTe DSL."""
 
-from .api import FlashMLASchedMeta, flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
+from .api import (
+    FlashMLASchedMeta,
+    flash_mla_sparse_fwd,
+    flash_mla_with_kvcache,
+    get_mla_metadata,
+    precompile,
+    use_schedule,
+)
 from .backend import select_backend
 from .fp8 import FP8_BYTES_PER_TOKEN, dequantize_kv_cache, quantize_kv_cache
 
@@ -15,4 +22,6 @@ __all__ = [
     "dequantize_kv_cache",
     "FP8_BYTES_PER_TOKEN",
     "select_backend",
+    "precompile",
+    "use_schedule",
 ]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 
@@ -11,6 +13,36 @@ from . import validation as V
 from .backend import select_backend
 from .backends import reference
 from .fp8 import D_QK, dequantize_kv_cache
+from .schedules import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
+
+_schedule_override: contextvars.ContextVar[Optional[DenseDecodeSchedule]] = contextvars.ContextVar(
+    "mla_cute_dense_schedule", default=None
+)
+
+
+@contextlib.contextmanager
+def use_schedule(schedule: DenseDecodeSchedule):
+    """Run the dense decode calls inside the block with ``schedule`` (validated now, compiled on first use)::
+
+        with mla_cute.use_schedule(DenseDecodeSchedule(qk_prefetch=False)):
+            out, lse = mla_cute.flash_mla_with_kvcache(...)
+    """
+    if not isinstance(schedule, DenseDecodeSchedule):
+        raise TypeError(f"schedule must be a DenseDecodeSchedule, got {type(schedule).__name__}")
+    schedule.validate()
+    token = _schedule_override.set(schedule)
+    try:
+        yield schedule
+    finally:
+        _schedule_override.reset(token)
+
+
+def _resolve_schedule(schedule: Optional[DenseDecodeSchedule]) -> DenseDecodeSchedule:
+    if schedule is None:
+        return _schedule_override.get() or DEFAULT_DENSE_SCHEDULE
+    if not isinstance(schedule, DenseDecodeSchedule):
+        raise TypeError(f"schedule must be a DenseDecodeSchedule, got {type(schedule).__name__}")
+    return schedule
 
 
 @dataclasses.dataclass
@@ -121,6 +153,7 @@ def flash_mla_with_kvcache(
     extra_topk_length: Optional[torch.Tensor] = None,
     *,
     backend: Optional[str] = None,
+    schedule: Optional[DenseDecodeSchedule] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """MLA decode attention over a paged cache (dense, or sparse over the FP8 cache).
 
@@ -146,10 +179,14 @@ def flash_mla_with_kvcache(
             extra pool, not supported (NotImplementedError when given).
         backend: ``"cute"`` or ``"reference"`` (keyword only; default by device, or the
             ``MLA_CUTE_BACKEND`` environment variable).
+        schedule: a ``mla_cute.schedules.DenseDecodeSchedule`` for the dense cute kernel
+            (keyword only; default: the one set by :func:`use_schedule`, else the default
+            schedule).  A metadata object keeps the schedule it was first used with.
 
     Returns:
         out ``[b, s_q, h_q, 512]`` (q dtype) and lse ``[b, h_q, s_q]`` float32, natural
-        log; a query with nothing to attend has out 0 and lse +inf.
+        log; a query with nothing to attend has out 0 and lse +inf.  (lse may be a
+        transposed view when s_q > 1.)
     """
     if num_splits is not None:
         raise ValueError("num_splits must be None (the split counts live in tile_scheduler_metadata)")
@@ -176,6 +213,11 @@ def flash_mla_with_kvcache(
             raise ValueError("block_table and cache_seqlens are required for dense decode (indices=None)")
         V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache)
         kind = select_backend(q.device, backend)
+        sched = _resolve_schedule(schedule)
+        if kind == "cute":
+            from .backends import cute
+
+            cute.check_supported(k_cache, is_fp8_kvcache)
         config = FlashMLASchedMeta.Config(
             q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
             causal, is_fp8_kvcache, None,
@@ -188,14 +230,13 @@ def flash_mla_with_kvcache(
         causal = causal and q.shape[1] > 1
         if kind == "reference":
             if first:
-                _fill_reference_metadata(tile_scheduler_metadata, q, k_cache, cache_seqlens)
+                _fill_reference_metadata(tile_scheduler_metadata, q, k_cache, cache_seqlens, sched)
             cache = dequantize_kv_cache(k_cache) if is_fp8_kvcache else k_cache
             return reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, causal, head_dim_v)
         from .backends import cute
 
         return cute.dense_decode(
-            q, k_cache, block_table, cache_seqlens, softmax_scale, causal, is_fp8_kvcache,
-            tile_scheduler_metadata, first,
+            q, k_cache, block_table, cache_seqlens, softmax_scale, causal, tile_scheduler_metadata, first, sched,
         )
 
     if block_table is not None:
@@ -205,6 +246,8 @@ def flash_mla_with_kvcache(
     V.check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))
     V.check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal)
     kind = select_backend(q.device, backend)
+    if schedule is not None:
+        raise ValueError("schedule applies to dense decode only (got it with indices)")
     config = FlashMLASchedMeta.Config(
         q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
         False, True, indices.shape[-1],
@@ -246,12 +289,46 @@ def flash_mla_sparse_fwd(
     raise NotImplementedError("sparse prefill has no 'cute' kernel yet; pass backend='reference'")
 
 
-def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens) -> None:
+def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens, schedule) -> None:
     """Give reference users the same metadata tensors the kernels would use."""
-    from .schedules import DEFAULT_DENSE_SCHEDULE, num_sm_parts_for, plan_splits
+    from .schedules import num_sm_parts_for, plan_splits
 
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-    parts = num_sm_parts_for(num_sms, q.shape[1], q.shape[2], k_cache.shape[2])
-    records, splits = plan_splits(cache_seqlens, parts, 64, DEFAULT_DENSE_SCHEDULE.split_fixed_cost)
+    parts = schedule.num_sm_parts or num_sm_parts_for(num_sms, q.shape[1], q.shape[2], k_cache.shape[2])
+    records, splits = plan_splits(cache_seqlens, parts, 64, schedule.split_fixed_cost)
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
+
+
+def precompile(configs: Iterable[dict], *, schedule: Optional[DenseDecodeSchedule] = None) -> int:
+    """Compile (or load from the disk cache) the dense decode kernels for each configuration.
+
+    Each configuration is a dict with ``dtype`` (torch.bfloat16 / torch.float16), ``s_q``,
+    ``h_q``, ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64) and
+    ``schedule``.  Needs no GPU (set ``CUTE_DSL_ARCH=sm_90a`` before importing cutlass on a
+    machine without one).  Returns the number of configurations prepared; each cold compile
+    logs a line with its configuration.
+    """
+    from .backends import cute
+
+    count = 0
+    for i, cfg in enumerate(configs):
+        cfg = dict(cfg)
+        missing = {"dtype", "s_q", "h_q", "h_kv"} - cfg.keys()
+        if missing:
+            raise ValueError(f"precompile config {i} lacks {sorted(missing)}: {cfg}")
+        extra = cfg.keys() - {"dtype", "s_q", "h_q", "h_kv", "causal", "page_block_size", "schedule"}
+        if extra:
+            raise ValueError(f"precompile config {i} has unknown keys {sorted(extra)}")
+        if cfg["dtype"] not in V.HALF_DTYPES:
+            raise TypeError(f"precompile config {i}: dtype must be torch.bfloat16 or torch.float16, got {cfg['dtype']}")
+        if cfg["h_q"] % cfg["h_kv"] != 0:
+            raise ValueError(f"precompile config {i}: h_q ({cfg['h_q']}) must be a multiple of h_kv ({cfg['h_kv']})")
+        page = cfg.get("page_block_size", 64)
+        if page % 64 != 0:
+            raise NotImplementedError(f"precompile config {i}: page_block_size {page} is not a multiple of 64")
+        sched = _resolve_schedule(cfg.get("schedule", schedule))
+        cute.precompile_dense(cfg["dtype"], cfg["s_q"], cfg["h_q"], cfg["h_kv"], bool(cfg.get("causal", False)), page,
+                              sched)
+        count += 1
+    return count

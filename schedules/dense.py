@@ -31,6 +31,10 @@ class DenseDecodeSchedule:
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
 
+    def kernel_key(self) -> tuple:
+        """The fields the generated kernel code depends on (the others act on the host side)."""
+        return (self.kv_stages, self.qk_prefetch)
+
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         q = 64 * 576 * elem_bytes
         kv = self.kv_stages * 64 * 576 * elem_bytes

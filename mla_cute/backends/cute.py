@@ -1,7 +1,8 @@
 """The ``cute`` backend: launches the CuTe DSL kernels on SM90.
 
-Per decode step and metadata object, the first call runs the scheduler kernel (GPU,
-no host synchronisation) and allocates the split workspace; later calls reuse both.
+The first call with a metadata object runs the scheduler kernel (on the GPU, no host
+synchronisation, so a CUDA graph can capture it) and sizes the split workspace; later
+calls reuse both and cross into compiled code once (split + combine behind one entry).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import math
 
 import torch
 
-from ..schedules import DEFAULT_DENSE_SCHEDULE, num_sm_parts_for
+from ..schedules import num_sm_parts_for
 from ..schedules.dense import DenseDecodeSchedule
 
 _LOG2_E = math.log2(math.e)
@@ -31,49 +32,78 @@ def _aligned(t: torch.Tensor) -> bool:
 def query_rows(q: torch.Tensor, h_kv: int) -> torch.Tensor:
     """[b, s_q, h_q, d] -> [b, s_q * group, h_kv, d], row = s * group + head in group (a view when possible)."""
     b, s_q, h_q, d = q.shape
-    group = h_q // h_kv
-    rows = q.view(b, s_q, h_kv, group, d).transpose(2, 3).reshape(b, s_q * group, h_kv, d)
+    if h_kv == 1:
+        rows = q.view(b, s_q * h_q, 1, d) if q.is_contiguous() else q.reshape(b, s_q * h_q, 1, d)
+    else:
+        group = h_q // h_kv
+        rows = q.view(b, s_q, h_kv, group, d).transpose(2, 3).reshape(b, s_q * group, h_kv, d)
     return rows if _aligned(rows) else rows.contiguous()
 
 
-def dense_decode(
-    q, k_cache, block_table, cache_seqlens, softmax_scale, causal, is_fp8_kvcache, meta, first,
-    schedule: DenseDecodeSchedule = DEFAULT_DENSE_SCHEDULE,
-):
+def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool) -> None:
     if is_fp8_kvcache:
         raise NotImplementedError("dense decode over the FP8 cache (is_fp8_kvcache=True) has no 'cute' kernel yet")
-    from ..kernels.build import compile_combine, compile_dense_decode, compile_scheduler
-
-    b, s_q, h_q, _ = q.shape
-    page, h_kv = k_cache.shape[1], k_cache.shape[2]
+    page = k_cache.shape[1]
     if page % 64 != 0:
         raise NotImplementedError(f"page_block_size {page}: the 'cute' dense kernel needs a multiple of 64")
     if not _aligned(k_cache):
         raise NotImplementedError("k_cache needs a contiguous last dimension, 16-byte aligned base and strides")
-    group = h_q // h_kv
-    rows = s_q * group
-    state = meta._state.get("dense")
-    if first or state is None:
+
+
+class DensePlan:
+    """What a metadata object holds for the cute backend: compiled step, workspace, launch constants."""
+
+    __slots__ = ("schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "rows")
+
+    def __init__(self, q, k_cache, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens):
+        from ..kernels.build import compile_dense_decode, compile_scheduler
+
+        b, s_q, h_q, _ = q.shape
+        page, h_kv = k_cache.shape[1], k_cache.shape[2]
+        self.schedule, self.b, self.s_q, self.h_q, self.h_kv = schedule, b, s_q, h_q, h_kv
+        self.rows = s_q * (h_q // h_kv)
         parts = schedule.num_sm_parts or num_sm_parts_for(num_sms(q.device), s_q, h_q, h_kv)
+        self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=True)
+        scheduler = compile_scheduler(schedule.split_fixed_cost)
         sched = torch.empty(parts, 8, dtype=torch.int32, device=q.device)
         splits = torch.empty(b + 1, dtype=torch.int32, device=q.device)
-        compile_scheduler(schedule.split_fixed_cost)(cache_seqlens, sched, splits)
+        scheduler(cache_seqlens, sched, splits)
         meta.tile_scheduler_metadata, meta.num_splits = sched, splits
-        state = {
-            "o_accum": torch.empty(b + parts, h_kv, rows, 512, dtype=torch.float32, device=q.device),
-            "lse_accum": torch.empty(b + parts, h_kv, rows, dtype=torch.float32, device=q.device),
-            "split": compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule),
-            "combine": compile_combine(q.dtype, rows, h_kv),
-        }
-        meta._state["dense"] = state
-    q_rows = query_rows(q, h_kv)
+        # Partials: at most one per request plus one extra per part (a part splits at most one request).
+        self.o_accum = torch.empty(b + parts, h_kv, self.rows, 512, dtype=torch.float32, device=q.device)
+        self.lse_accum = torch.empty(b + parts, h_kv, self.rows, dtype=torch.float32, device=q.device)
+
+
+def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, meta, first,
+                 schedule: DenseDecodeSchedule):
+    plan = meta._state.get("dense")
+    if first or plan is None:
+        schedule.validate()
+        plan = DensePlan(q, k_cache, causal, schedule, meta, cache_seqlens)
+        meta._state["dense"] = plan
+    elif plan.schedule != schedule:
+        raise ValueError(
+            f"tile_scheduler_metadata was computed with schedule {plan.schedule}, this call asks for {schedule}; "
+            "call get_mla_metadata() again to change the schedule"
+        )
+    b, s_q, h_q, h_kv, rows = plan.b, plan.s_q, plan.h_q, plan.h_kv, plan.rows
     out = torch.empty(b, h_kv, rows, 512, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h_kv, rows, dtype=torch.float32, device=q.device)
-    state["split"](
-        q_rows, k_cache, block_table, cache_seqlens, meta.tile_scheduler_metadata, meta.num_splits,
-        out, lse, state["o_accum"], state["lse_accum"], softmax_scale * _LOG2_E,
+    plan.step(
+        query_rows(q, h_kv), k_cache, block_table, cache_seqlens, meta.tile_scheduler_metadata, meta.num_splits,
+        out, lse, plan.o_accum, plan.lse_accum, softmax_scale * _LOG2_E,
     )
-    state["combine"](meta.num_splits, state["o_accum"], state["lse_accum"], out, lse)
+    if h_kv == 1:
+        return out.view(b, s_q, h_q, 512), (lse.view(b, s_q, h_q).transpose(1, 2) if s_q > 1 else lse.view(b, h_q, 1))
+    group = h_q // h_kv
     out = out.view(b, h_kv, s_q, group, 512).transpose(1, 2).reshape(b, s_q, h_q, 512)
     lse = lse.view(b, h_kv, s_q, group).transpose(2, 3).reshape(b, h_q, s_q)
     return out, lse
+
+
+def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeSchedule) -> None:
+    from ..kernels.build import compile_dense_decode, compile_scheduler
+
+    schedule.validate()
+    compile_dense_decode(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, schedule, with_combine=True)
+    compile_scheduler(schedule.split_fixed_cost)
