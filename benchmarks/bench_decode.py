@@ -68,6 +68,9 @@ def rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out):
 
 
 def run(configs, schedule_name="default"):
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
+
+    schedule = {"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE}[schedule_name]
     rows = []
     for b, s_q, h_q, s_k in configs:
         torch.manual_seed(b * 7 + s_q * 3 + h_q + s_k)
@@ -76,11 +79,12 @@ def run(configs, schedule_name="default"):
 
         def fn():
             return mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=s_q > 1,
-                                                   backend="cute")
+                                                   backend="cute", schedule=schedule)
 
         out, _ = fn()
         torch.cuda.synchronize()
-        err = rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out)
+        err = rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out) if schedule_name == "default" \
+            else float("nan")
         ms = bench(fn)
         us = ms * 1e3
         flops = 2 * b * s_q * h_q * s_k * (576 + 512)
@@ -94,14 +98,14 @@ def run(configs, schedule_name="default"):
 
 def table(rows, anchor):
     ref = {(r["b"], r["s_q"], r["h_q"], r["s_k"]): r for r in anchor}
-    lines = ["| b | s_q | h_q | s_k | us | TFLOP/s | GB/s | rel_err | FlashMLA us | ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| schedule | b | s_q | h_q | s_k | us | TFLOP/s | GB/s | rel_err | FlashMLA us | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a = ref.get((r["b"], r["s_q"], r["h_q"], r["s_k"]))
         ratio = a["us"] / r["us"] if a else float("nan")
         r["anchor_us"] = a["us"] if a else None
         r["ratio"] = ratio
-        lines.append(f"| {r['b']} | {r['s_q']} | {r['h_q']} | {r['s_k']} | {r['us']:.1f} | {r['tflops']:.0f} | "
+        lines.append(f"| {r['schedule']} | {r['b']} | {r['s_q']} | {r['h_q']} | {r['s_k']} | {r['us']:.1f} | {r['tflops']:.0f} | "
                      f"{r['gbps']:.0f} | {r['rel_err']:.2e} | {a['us'] if a else float('nan'):.1f} | {ratio:.2f} |")
     return "\n".join(lines)
 
@@ -111,9 +115,12 @@ def main():
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--anchor", default=ANCHOR)
     ap.add_argument("--quick", action="store_true", help="three rows only")
+    ap.add_argument("--schedules", default="default", help="comma list of: default, serial")
     args = ap.parse_args()
     configs = CONFIGS[:1] + CONFIGS[6:7] + CONFIGS[-1:] if args.quick else CONFIGS
-    rows = run(configs)
+    rows = []
+    for name in args.schedules.split(","):
+        rows += run(configs, name)
     anchor = json.load(open(args.anchor)) if os.path.exists(args.anchor) else []
     print(table(rows, anchor))
     if args.out:

@@ -18,8 +18,9 @@ def _sym(div: int = 1, width: int = 32):
     return cute.sym_int(width, divisibility=div)
 
 
-def dense_decode_signature(dtype, rows: int, h_kv: int, page: int):
+def dense_decode_signature(dtype, s_q: int, h_q: int, h_kv: int, page: int):
     """Fake tensors matching ``DenseDecodeKernel.__call__``."""
+    rows = s_q * (h_q // h_kv)
     b, nb, mb, parts, splits = _sym(), _sym(), _sym(), _sym(), _sym()
     s64 = lambda: _sym(8, 64)  # noqa: E731  (16-byte aligned strides, as TMA needs)
     q = make_fake_tensor(dtype, (b, rows, h_kv, D_QK), (s64(), s64(), s64(), 1), assumed_align=16)
@@ -29,8 +30,8 @@ def dense_decode_signature(dtype, rows: int, h_kv: int, page: int):
     sched = make_fake_compact_tensor(cutlass.Int32, (parts, 8), stride_order=(1, 0), assumed_align=16)
     num_splits = make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4)
     order4 = (3, 2, 1, 0)
-    out = make_fake_compact_tensor(dtype, (b, h_kv, rows, D_V), stride_order=order4, assumed_align=16)
-    lse = make_fake_compact_tensor(cutlass.Float32, (b, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16)
+    out = make_fake_compact_tensor(dtype, (b, s_q, h_q, D_V), stride_order=order4, assumed_align=16)
+    lse = make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4)
     o_acc = make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows, D_V), stride_order=order4, assumed_align=16)
     lse_acc = make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16)
     return (q, k, block_table, seqlens, sched, num_splits, out, lse, o_acc, lse_acc, cutlass.Float32(1.0),
@@ -44,7 +45,8 @@ def dense_decode_key(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, p
 
 def _describe(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) -> str:
     return (f"{str(torch_dtype).replace('torch.', '')} s_q={s_q} h_q={h_q} h_kv={h_kv} causal={causal} "
-            f"page={page} kv_stages={schedule.kv_stages} qk_prefetch={schedule.qk_prefetch}")
+            f"page={page} kv_stages={schedule.kv_stages} qk_prefetch={schedule.qk_prefetch} "
+            f"kv_evict_first={schedule.kv_evict_first}")
 
 
 def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int,
@@ -62,8 +64,8 @@ def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: boo
             from .combine import CombineKernel
             from .dense_step import DenseDecodeStep
 
-            kernel = DenseDecodeStep(kernel, CombineKernel(dtype, s_q * group))
-        args = dense_decode_signature(dtype, s_q * group, h_kv, page)
+            kernel = DenseDecodeStep(kernel, CombineKernel(dtype, group, s_q))
+        args = dense_decode_signature(dtype, s_q, h_q, h_kv, page)
         return cute.compile(kernel, *args, options=compile_options(options))
 
     what = ("dense decode step " if with_combine else "dense decode split kernel ") + _describe(
@@ -71,26 +73,28 @@ def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: boo
     return cached_compile(key, build, describe=what, persistent=not options)
 
 
-def compile_combine(torch_dtype, rows: int, h_kv: int, options: str = ""):
+def compile_combine(torch_dtype, s_q: int, h_q: int, h_kv: int, options: str = ""):
+    """The combine kernel alone (the runtime calls it inside the dense decode step)."""
     from .combine import CombineKernel
 
-    key = ("combine", str(torch_dtype), rows, h_kv, options)
+    key = ("combine", str(torch_dtype), s_q, h_q, h_kv, options)
 
     def build():
         dtype = cutlass_dtype(torch_dtype)
+        group, rows = h_q // h_kv, s_q * (h_q // h_kv)
         b, splits = _sym(), _sym()
         order4 = (3, 2, 1, 0)
         args = (
             make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
             make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows, D_V), stride_order=order4, assumed_align=16),
             make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16),
-            make_fake_compact_tensor(dtype, (b, h_kv, rows, D_V), stride_order=order4, assumed_align=16),
-            make_fake_compact_tensor(cutlass.Float32, (b, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16),
+            make_fake_compact_tensor(dtype, (b, s_q, h_q, D_V), stride_order=order4, assumed_align=16),
+            make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4),
             make_fake_stream(use_tvm_ffi_env_stream=True),
         )
-        return cute.compile(CombineKernel(dtype, rows), *args, options=compile_options(options))
+        return cute.compile(CombineKernel(dtype, group, s_q), *args, options=compile_options(options))
 
-    return cached_compile(key, build, describe=f"combine rows={rows} h_kv={h_kv}", persistent=not options)
+    return cached_compile(key, build, describe=f"combine s_q={s_q} h_q={h_q} h_kv={h_kv}", persistent=not options)
 
 
 def compile_scheduler(fixed_cost: int, options: str = ""):

@@ -16,6 +16,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 
+from .layouts import lse_rows, out_rows
+
 D_V = 512
 ROWS_PER_CTA = 8
 VEC = 4
@@ -26,9 +28,11 @@ LN_2 = math.log(2.0)
 class CombineKernel:
     num_threads = 32 * ROWS_PER_CTA
 
-    def __init__(self, dtype, rows: int):
+    def __init__(self, dtype, group: int, s_q: int):
         self.dtype = dtype
-        self.rows = rows
+        self.group = group
+        self.s_q = s_q
+        self.rows = group * s_q
 
     @cute.jit
     def __call__(
@@ -36,12 +40,15 @@ class CombineKernel:
         mNumSplits: cute.Tensor,  # [b + 1] int32
         mOAccum: cute.Tensor,  # [splits, h_kv, rows, 512] fp32
         mLseAccum: cute.Tensor,  # [splits, h_kv, rows] fp32
-        mOut: cute.Tensor,  # [b, h_kv, rows, 512]
-        mLse: cute.Tensor,  # [b, h_kv, rows] fp32
+        mOut: cute.Tensor,  # [b, s_q, h_q, 512]
+        mLse: cute.Tensor,  # [b, h_q, s_q] fp32
         stream,
     ):
+        h_kv = mOAccum.shape[1]
+        mOut = out_rows(mOut, h_kv, self.group, self.s_q)
+        mLse = lse_rows(mLse, h_kv, self.group, self.s_q)
         self.kernel(mNumSplits, mOAccum, mLseAccum, mOut, mLse).launch(
-            grid=[mOut.shape[0], mOut.shape[1], (self.rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA],
+            grid=[mOut.shape[0], h_kv, (self.rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA],
             block=[self.num_threads, 1, 1],
             stream=stream,
         )

@@ -27,8 +27,8 @@ every element at the same byte.
 
 Named barriers: see ``BarrierId``.
 
-Output: requests served whole write ``out`` (q dtype) and ``lse`` (natural log) in the
-internal layout ``[b, h_kv, rows, 512]`` / ``[b, h_kv, rows]``; pieces of a split request
+Output: requests served whole write ``out [b, s_q, h_q, 512]`` (q dtype) and
+``lse [b, h_q, s_q]`` (natural log) in place (``layouts.py``); pieces of a split request
 write fp32 partials normalised by their own sum, with a base-2 lse, to
 ``o_accum[num_splits[req] + split_idx]`` for the combine kernel.
 """
@@ -47,6 +47,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..schedules.dense import DenseDecodeSchedule
+from .layouts import lse_rows, out_rows
 
 D_QK = 576
 D_V = 512
@@ -55,6 +56,10 @@ BLOCK_N = 64  # tokens per KV tile
 HALF_N = BLOCK_N // 2  # tokens of S per consumer warpgroup
 HALF_V = D_V // 2  # output columns per consumer warpgroup
 LOG2_E = math.log2(math.e)
+# L2 cache-policy operand of a TMA load marking the lines evict-first (CUTLASS's
+# CacheHintSm90::EVICT_FIRST): each KV tile is read once, so it should not push Q or the
+# block table out of L2.
+L2_EVICT_FIRST = 0x12F0000000000000
 LN_2 = math.log(2.0)
 
 
@@ -94,6 +99,7 @@ class DenseDecodeKernel:
         self.page_size = page_size
         self.kv_stages = schedule.kv_stages
         self.qk_prefetch = schedule.qk_prefetch
+        self.kv_evict_first = schedule.kv_evict_first
         self.m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
         self.tiles_per_page = page_size // BLOCK_N
 
@@ -107,8 +113,8 @@ class DenseDecodeKernel:
         mSeqlens: cute.Tensor,  # [b] int32
         mSched: cute.Tensor,  # [num_parts, 8] int32
         mNumSplits: cute.Tensor,  # [b + 1] int32
-        mOut: cute.Tensor,  # [b, h_kv, rows, 512]
-        mLse: cute.Tensor,  # [b, h_kv, rows] fp32
+        mOut: cute.Tensor,  # [b, s_q, h_q, 512]
+        mLse: cute.Tensor,  # [b, h_q, s_q] fp32
         mOAccum: cute.Tensor,  # [b + num_parts, h_kv, rows, 512] fp32
         mLseAccum: cute.Tensor,  # [b + num_parts, h_kv, rows] fp32
         scale_log2: cutlass.Float32,
@@ -172,6 +178,8 @@ class DenseDecodeKernel:
 
         num_parts = mSched.shape[0]
         h_kv = mQ.shape[2]
+        mOut = out_rows(mOut, h_kv, self.group, self.s_q)
+        mLse = lse_rows(mLse, h_kv, self.group, self.s_q)
         self.kernel(
             mma_qk_first, tiled_mma_qk, tiled_mma_pv,
             tma_atom_q, tma_q, tma_atom_k, tma_k,
@@ -311,10 +319,17 @@ class DenseDecodeKernel:
                 tile_in_page = blk - page_idx * self.tiles_per_page
                 phys = mBlockTable[req, page_idx]
                 kv_pipe.producer_acquire(kv_state)
-                cute.copy(
-                    tma_atom_k, tKgK[None, tile_in_page, 0, kv_head, phys], tKsK[None, kv_state.index],
-                    tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state),
-                )
+                if cutlass.const_expr(self.kv_evict_first):
+                    cute.copy(
+                        tma_atom_k, tKgK[None, tile_in_page, 0, kv_head, phys], tKsK[None, kv_state.index],
+                        tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state),
+                        cache_policy=cutlass.Int64(L2_EVICT_FIRST),
+                    )
+                else:
+                    cute.copy(
+                        tma_atom_k, tKgK[None, tile_in_page, 0, kv_head, phys], tKsK[None, kv_state.index],
+                        tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state),
+                    )
                 kv_state.advance()
 
     # ------------------------------------------------------------- consumers

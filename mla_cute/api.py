@@ -185,8 +185,7 @@ def flash_mla_with_kvcache(
 
     Returns:
         out ``[b, s_q, h_q, 512]`` (q dtype) and lse ``[b, h_q, s_q]`` float32, natural
-        log; a query with nothing to attend has out 0 and lse +inf.  (lse may be a
-        transposed view when s_q > 1.)
+        log; a query with nothing to attend has out 0 and lse +inf.
     """
     if num_splits is not None:
         raise ValueError("num_splits must be None (the split counts live in tile_scheduler_metadata)")

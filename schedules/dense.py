@@ -22,18 +22,20 @@ class DenseDecodeSchedule:
     qk_prefetch: issue the next tile's S = Q K^T before this tile's softmax, so the tensor
         cores work while the CUDA cores do the softmax (needs kv_stages >= 2).  False is the
         first, fully serial schedule, kept to measure the gain.
+    kv_evict_first: load KV tiles with the L2 evict-first policy (they are read once).
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     num_sm_parts: CTAs per (KV head, M tile); None = FlashMLA's rule from the SM count.
     """
 
     kv_stages: int = 2
     qk_prefetch: bool = True
+    kv_evict_first: bool = True
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
-        return (self.kv_stages, self.qk_prefetch)
+        return (self.kv_stages, self.qk_prefetch, self.kv_evict_first)
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         q = 64 * 576 * elem_bytes
@@ -50,6 +52,8 @@ class DenseDecodeSchedule:
             raise ValueError(f"qk_prefetch must be a bool, got {self.qk_prefetch!r}")
         if self.qk_prefetch and self.kv_stages < 2:
             raise ValueError("qk_prefetch needs kv_stages >= 2 (the next tile must be resident)")
+        if not isinstance(self.kv_evict_first, bool):
+            raise ValueError(f"kv_evict_first must be a bool, got {self.kv_evict_first!r}")
         if not isinstance(self.split_fixed_cost, int) or self.split_fixed_cost < 0:
             raise ValueError(f"split_fixed_cost must be an int >= 0, got {self.split_fixed_cost!r}")
         if self.num_sm_parts is not None and (not isinstance(self.num_sm_parts, int) or self.num_sm_parts < 1):
@@ -64,4 +68,4 @@ class DenseDecodeSchedule:
 
 DEFAULT_DENSE_SCHEDULE = DenseDecodeSchedule()
 # The first schedule: every step of a tile waits for the previous one.
-SERIAL_DENSE_SCHEDULE = DenseDecodeSchedule(qk_prefetch=False)
+SERIAL_DENSE_SCHEDULE = DenseDecodeSchedule(qk_prefetch=False, kv_evict_first=False)

@@ -80,3 +80,19 @@ def poison_allocator(nbytes: int = 1 << 28) -> None:
     """Fill freed cached device memory with NaN, so outputs a kernel fails to write show up as NaN."""
     junk = torch.full((nbytes // 4,), float("nan"), dtype=torch.float32, device="cuda")
     del junk
+
+
+def refill_cache(k_cache, block_table, lens, gen=None, scale=0.1):
+    """New random cache contents, NaN in every row past each request's length (in place)."""
+    gen = gen or torch.Generator().manual_seed(1)
+    nb, page, h_kv, d = k_cache.shape
+    fresh = (torch.randn(nb, page, h_kv, d, generator=gen) * scale).clamp(-1, 1)
+    flat = fresh.view(nb * page, h_kv, d)
+    keep = torch.zeros(nb * page, dtype=torch.bool)
+    bt = block_table.cpu()
+    for i, n in enumerate(lens.tolist()):
+        for t in range(0, n, page):
+            blk = int(bt[i, t // page])
+            keep[blk * page: blk * page + min(page, n - t)] = True
+    flat[~keep] = float("nan")
+    k_cache.copy_(fresh.to(k_cache.dtype))

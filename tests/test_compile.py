@@ -57,7 +57,7 @@ def test_dense_decode_uses_wgmma_tma_mbarriers_without_spills(dtype, s_q, h_q, h
 def test_combine_and_scheduler_compile_without_spills(capfd):
     from mla_cute.kernels.build import compile_combine, compile_scheduler
 
-    compile_combine(torch.bfloat16, 128, 1, options=OPTIONS)
+    compile_combine(torch.bfloat16, 2, 64, 1, options=OPTIONS)
     compile_scheduler(5, options=OPTIONS)
     spills, _ = _ptxas_report(capfd.readouterr().err)
     assert len(spills) == 2 and all(s == (0, 0, 0) for s in spills), spills

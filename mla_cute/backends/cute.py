@@ -86,18 +86,13 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, 
             f"tile_scheduler_metadata was computed with schedule {plan.schedule}, this call asks for {schedule}; "
             "call get_mla_metadata() again to change the schedule"
         )
-    b, s_q, h_q, h_kv, rows = plan.b, plan.s_q, plan.h_q, plan.h_kv, plan.rows
-    out = torch.empty(b, h_kv, rows, 512, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, h_kv, rows, dtype=torch.float32, device=q.device)
+    # The kernels write FlashMLA's layouts directly (kernels/layouts.py).
+    out = torch.empty(plan.b, plan.s_q, plan.h_q, 512, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.b, plan.h_q, plan.s_q, dtype=torch.float32, device=q.device)
     plan.step(
-        query_rows(q, h_kv), k_cache, block_table, cache_seqlens, meta.tile_scheduler_metadata, meta.num_splits,
-        out, lse, plan.o_accum, plan.lse_accum, softmax_scale * _LOG2_E,
+        query_rows(q, plan.h_kv), k_cache, block_table, cache_seqlens, meta.tile_scheduler_metadata,
+        meta.num_splits, out, lse, plan.o_accum, plan.lse_accum, softmax_scale * _LOG2_E,
     )
-    if h_kv == 1:
-        return out.view(b, s_q, h_q, 512), (lse.view(b, s_q, h_q).transpose(1, 2) if s_q > 1 else lse.view(b, h_q, 1))
-    group = h_q // h_kv
-    out = out.view(b, h_kv, s_q, group, 512).transpose(1, 2).reshape(b, s_q, h_q, 512)
-    lse = lse.view(b, h_kv, s_q, group).transpose(2, 3).reshape(b, h_q, s_q)
     return out, lse
 
 

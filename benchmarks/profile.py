@@ -1,0 +1,84 @@
+"""Nsight Compute profile of one dense decode configuration (run on the GPU machine).
+
+    python benchmarks/profile.py --b 128 --s-q 1 --h-q 128 --s-k 4096 [--schedule serial] [--out DIR]
+
+Runs ncu on the split kernel of one call and prints duration, DRAM throughput, tensor-pipe
+(GMMA) activity, long-scoreboard stalls, executed instructions and global-load sectors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+
+METRICS = [
+    "gpu__time_duration.sum",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram__bytes_read.sum",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_tensor_op_gmma.sum",
+    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+    "smsp__sass_inst_executed.sum",
+    "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+]
+
+
+def workload(args):
+    import torch
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import mla_cute
+    from bench_decode import make_inputs
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
+
+    sched = SERIAL_DENSE_SCHEDULE if args.schedule == "serial" else DEFAULT_DENSE_SCHEDULE
+    q, k_cache, block_table, seqlens = make_inputs(args.b, args.s_q, args.h_q, args.s_k)
+    meta, _ = mla_cute.get_mla_metadata()
+    for _ in range(3):
+        mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=args.s_q > 1,
+                                        schedule=sched)
+    torch.cuda.synchronize()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--b", type=int, default=128)
+    ap.add_argument("--s-q", type=int, default=1)
+    ap.add_argument("--h-q", type=int, default=128)
+    ap.add_argument("--s-k", type=int, default=4096)
+    ap.add_argument("--schedule", choices=["default", "serial"], default="default")
+    ap.add_argument("--out", default=None, help="folder for the raw ncu csv")
+    ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.workload:
+        workload(args)
+        return
+    cmd = ["ncu", "--clock-control", "none", "-k", "regex:DenseDecodeKernel", "--launch-skip", "2", "--launch-count", "1",
+           "--metrics", ",".join(METRICS), "--csv", sys.executable, __file__, "--workload",
+           "--b", str(args.b), "--s-q", str(args.s_q), "--h-q", str(args.h_q), "--s-k", str(args.s_k),
+           "--schedule", args.schedule]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    text = proc.stdout
+    start = text.find('"ID"')
+    if proc.returncode != 0 or start < 0:
+        print(proc.stdout[-3000:], proc.stderr[-3000:])
+        sys.exit(1)
+    rows = list(csv.DictReader(io.StringIO(text[start:])))
+    print(f"config b={args.b} s_q={args.s_q} h_q={args.h_q} s_k={args.s_k} schedule={args.schedule}")
+    for r in rows:
+        print(f"  {r['Metric Name']:75s} {r['Metric Value']:>16s} {r['Metric Unit']}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"ncu_{args.schedule}_b{args.b}_sq{args.s_q}_h{args.h_q}_sk{args.s_k}.csv"),
+                  "w") as f:
+            f.write(text[start:])
+
+
+if __name__ == "__main__":
+    main()

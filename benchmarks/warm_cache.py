@@ -1,0 +1,67 @@
+"""Fill the disk compile cache for the GPU tests and benchmarks (runs on a CPU: compiles for sm_90a).
+
+    CUTE_DSL_ARCH=sm_90a MLA_CUTE_CACHE_DIR=DIR python benchmarks/warm_cache.py [--jobs 2]
+
+A GPU machine given DIR (same DSL version and sources) then loads every kernel instead of
+compiling it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def configs():
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
+
+    seen = set()
+    import test_dense_decode_gpu as grid
+
+    for b, s_q, s_k, h_q, h_kv, varlen, causal in grid.GRID:
+        seen.add((torch.bfloat16, s_q, h_q, h_kv, causal and s_q > 1, 64, DEFAULT_DENSE_SCHEDULE))
+    for dtype in (torch.bfloat16, torch.float16):  # corner tests
+        seen.add((dtype, 2, 128, 1, True, 64, DEFAULT_DENSE_SCHEDULE))
+    seen.add((torch.bfloat16, 1, 128, 1, False, 128, DEFAULT_DENSE_SCHEDULE))
+    seen.add((torch.bfloat16, 1, 64, 1, False, 128, DEFAULT_DENSE_SCHEDULE))
+    seen.add((torch.bfloat16, 1, 64, 1, False, 256, DEFAULT_DENSE_SCHEDULE))
+    seen.add((torch.bfloat16, 2, 128, 1, True, 64, SERIAL_DENSE_SCHEDULE))
+    seen.add((torch.bfloat16, 1, 128, 1, False, 64, SERIAL_DENSE_SCHEDULE))
+    seen.add((torch.bfloat16, 2, 64, 1, True, 64, DEFAULT_DENSE_SCHEDULE))
+    from bench_decode import CONFIGS
+
+    for b, s_q, h_q, s_k in CONFIGS:
+        for sched in (DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE):
+            seen.add((torch.bfloat16, s_q, h_q, 1, s_q > 1, 64, sched))
+    return sorted(seen, key=repr)
+
+
+def _one(cfg):
+    import mla_cute
+
+    dtype, s_q, h_q, h_kv, causal, page, sched = cfg
+    mla_cute.precompile([dict(dtype=dtype, s_q=s_q, h_q=h_q, h_kv=h_kv, causal=causal, page_block_size=page,
+                              schedule=sched)])
+    return cfg
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(__file__))
+    todo = configs()
+    print(f"{len(todo)} configurations", flush=True)
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for i, cfg in enumerate(pool.map(_one, todo)):
+            print(f"{i + 1}/{len(todo)} {cfg[:6]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Runtime on the H200: CUDA graphs, schedules passed per call, metadata reuse rules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gpu_cases import assert_close_flashmla, make_dense_case, poison_allocator, refill_cache
+
+pytestmark = pytest.mark.gpu
+
+OUT_ABS, OUT_REL, OUT_COS = 8e-4, 2.01 / 128, 5e-6
+LSE_ABS, LSE_REL = 1e-6, 8.01 / 65536
+
+
+def reference(q, k_cache, block_table, seqlens, causal):
+    import mla_cute
+
+    return mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, mla_cute.get_mla_metadata()[0],
+                                           causal=causal, backend="reference")
+
+
+def check(out, lse, ref):
+    assert_close_flashmla("out", out, ref[0], OUT_ABS, OUT_REL, OUT_COS)
+    assert_close_flashmla("lse", lse, ref[1], LSE_ABS, LSE_REL)
+
+
+@pytest.mark.parametrize("s_q,h_q,causal", [(1, 128, False), (2, 64, True)])
+def test_cuda_graph_replays_with_new_inputs(s_q, h_q, causal):
+    """A whole decode step (scheduler, split, combine) captured once, replayed on new q, cache and lengths."""
+    import mla_cute
+
+    b, max_len = 16, 3000
+    case = make_dense_case(b, s_q, 0, h_q, 1, lengths=[max_len] * b)
+    q, k_cache, block_table, seqlens = case["q"], case["k_cache"], case["block_table"], case["cache_seqlens"]
+    # Compile outside the capture (module loading is not capturable).
+    mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, mla_cute.get_mla_metadata()[0],
+                                    causal=causal)
+    torch.cuda.synchronize()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        meta, _ = mla_cute.get_mla_metadata()
+        out, lse = mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=causal)
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(4):
+        lens = torch.randint(0, max_len + 1, (b,), generator=gen)
+        lens[trial % b] = 0
+        lens[(trial + 1) % b] = max_len
+        seqlens.copy_(lens.to(torch.int32))
+        q.copy_((torch.randn(q.shape, generator=gen) / 10).clamp(-1, 1).to(q.dtype))
+        refill_cache(k_cache, block_table, lens, gen)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, lse, reference(q, k_cache, block_table, seqlens, causal))
+
+
+def test_schedule_per_call_and_context_manager():
+    import mla_cute
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
+
+    case = make_dense_case(6, 2, 1500, 128, 1, varlen=True)
+    ref = reference(**case, causal=True)
+    custom = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, split_fixed_cost=2, num_sm_parts=37)
+    for sched in (SERIAL_DENSE_SCHEDULE, custom):
+        poison_allocator()
+        meta = mla_cute.get_mla_metadata()[0]
+        check(*mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta, causal=True,
+                                               schedule=sched), ref)
+        assert meta.tile_scheduler_metadata.shape[0] == (37 if sched is custom else meta.tile_scheduler_metadata.shape[0])
+        with pytest.raises(ValueError, match="schedule"):
+            other = DEFAULT_DENSE_SCHEDULE if sched is not DEFAULT_DENSE_SCHEDULE else SERIAL_DENSE_SCHEDULE
+            mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta, causal=True,
+                                            schedule=other)
+    with mla_cute.use_schedule(SERIAL_DENSE_SCHEDULE):
+        check(*mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512,
+                                               tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], causal=True),
+              ref)
+
+
+def test_impossible_schedule_rejected_before_compiling():
+    import mla_cute
+    from mla_cute.schedules import DenseDecodeSchedule
+
+    case = make_dense_case(2, 1, 100, 64, 1)
+    with pytest.raises(ValueError, match="shared memory"):
+        mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=mla_cute.get_mla_metadata()[0],
+                                        schedule=DenseDecodeSchedule(kv_stages=3))
