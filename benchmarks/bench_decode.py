@@ -68,9 +68,10 @@ def rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out):
 
 
 def run(configs, schedule_name="default"):
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
 
-    schedule = {"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE}[schedule_name]
+    schedule = {"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE,
+                "prefetch": PREFETCH_DENSE_SCHEDULE}[schedule_name]
     rows = []
     for b, s_q, h_q, s_k in configs:
         torch.manual_seed(b * 7 + s_q * 3 + h_q + s_k)
@@ -115,7 +116,7 @@ def main():
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--anchor", default=ANCHOR)
     ap.add_argument("--quick", action="store_true", help="three rows only")
-    ap.add_argument("--schedules", default="default", help="comma list of: default, serial")
+    ap.add_argument("--schedules", default="default", help="comma list of: default, serial, prefetch")
     args = ap.parse_args()
     configs = CONFIGS[:1] + CONFIGS[6:7] + CONFIGS[-1:] if args.quick else CONFIGS
     rows = []

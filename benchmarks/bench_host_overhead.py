@@ -57,8 +57,8 @@ def main():
     from mla_cute.backends.cute import query_rows
 
     rows_q = query_rows(q, 1)
-    out = torch.empty(b, 1, h_q * s_q, 512, dtype=q.dtype, device="cuda")
-    lse = torch.empty(b, 1, h_q * s_q, dtype=torch.float32, device="cuda")
+    out = torch.empty(b, s_q, h_q, 512, dtype=q.dtype, device="cuda")
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
 
     def raw():
         plan.step(rows_q, k_cache, block_table, seqlens, meta.tile_scheduler_metadata, meta.num_splits, out, lse,
@@ -68,8 +68,8 @@ def main():
         V.check_dense(q, k_cache, block_table, seqlens, 512, False)
 
     def alloc():
-        torch.empty(b, 1, h_q * s_q, 512, dtype=q.dtype, device="cuda")
-        torch.empty(b, 1, h_q * s_q, dtype=torch.float32, device="cuda")
+        torch.empty(b, s_q, h_q, 512, dtype=q.dtype, device="cuda")
+        torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
 
     # GPU time of one call, to show the host is not waiting on the device here.
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

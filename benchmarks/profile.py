@@ -35,9 +35,9 @@ def workload(args):
     sys.path.insert(0, os.path.dirname(__file__))
     import mla_cute
     from bench_decode import make_inputs
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE
 
-    sched = SERIAL_DENSE_SCHEDULE if args.schedule == "serial" else DEFAULT_DENSE_SCHEDULE
+    sched = PREFETCH_DENSE_SCHEDULE if args.schedule == "prefetch" else DEFAULT_DENSE_SCHEDULE
     q, k_cache, block_table, seqlens = make_inputs(args.b, args.s_q, args.h_q, args.s_k)
     meta, _ = mla_cute.get_mla_metadata()
     for _ in range(3):
@@ -52,7 +52,7 @@ def main():
     ap.add_argument("--s-q", type=int, default=1)
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--s-k", type=int, default=4096)
-    ap.add_argument("--schedule", choices=["default", "serial"], default="default")
+    ap.add_argument("--schedule", choices=["default", "prefetch"], default="default")
     ap.add_argument("--out", default=None, help="folder for the raw ncu csv")
     ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

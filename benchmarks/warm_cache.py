@@ -18,14 +18,31 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
-def configs():
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
+def configs(subset: str):
+    import random
 
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE
+
+    SERIAL_DENSE_SCHEDULE = PREFETCH_DENSE_SCHEDULE  # the other schedule the tests and benchmarks use
     seen = set()
     import test_dense_decode_gpu as grid
 
-    for b, s_q, s_k, h_q, h_kv, varlen, causal in grid.GRID:
-        seen.add((torch.bfloat16, s_q, h_q, h_kv, causal and s_q > 1, 64, DEFAULT_DENSE_SCHEDULE))
+    if subset == "all":
+        for b, s_q, s_k, h_q, h_kv, varlen, causal in grid.GRID:
+            seen.add((torch.bfloat16, s_q, h_q, h_kv, causal and s_q > 1, 64, DEFAULT_DENSE_SCHEDULE))
+    for seed in range(12):  # test_fuzz draws its configuration the same way
+        rng = random.Random(seed)
+        h_kv = rng.choice([1, 1, 1, 2, 4])
+        h_q = h_kv * rng.choice([1, 5, 16, 32, 64, 100, 128])
+        s_q = rng.choice([1, 1, 2, 3])
+        b = rng.randint(1, 40)
+        [rng.choice([0, rng.randint(1, 70), rng.randint(1, 5000)]) for _ in range(b)]
+        dtype = rng.choice([torch.bfloat16, torch.float16])
+        causal = rng.random() < 0.5
+        seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, DEFAULT_DENSE_SCHEDULE))
+    seen.add((torch.bfloat16, 2, 128, 1, True, 64, PREFETCH_DENSE_SCHEDULE))  # runtime tests
+    seen.add((torch.bfloat16, 1, 128, 1, False, 64, DEFAULT_DENSE_SCHEDULE))
+    seen.add((torch.bfloat16, 2, 64, 1, True, 64, DEFAULT_DENSE_SCHEDULE))
     for dtype in (torch.bfloat16, torch.float16):  # corner tests
         seen.add((dtype, 2, 128, 1, True, 64, DEFAULT_DENSE_SCHEDULE))
     seen.add((torch.bfloat16, 1, 128, 1, False, 128, DEFAULT_DENSE_SCHEDULE))
@@ -36,7 +53,7 @@ def configs():
     seen.add((torch.bfloat16, 2, 64, 1, True, 64, DEFAULT_DENSE_SCHEDULE))
     from bench_decode import CONFIGS
 
-    for b, s_q, h_q, s_k in CONFIGS:
+    for b, s_q, h_q, s_k in (CONFIGS if subset == "all" else []):
         for sched in (DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE):
             seen.add((torch.bfloat16, s_q, h_q, 1, s_q > 1, 64, sched))
     return sorted(seen, key=repr)
@@ -54,9 +71,11 @@ def _one(cfg):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--subset", choices=["all", "corner"], default="all",
+                    help="corner: skip the parametrized grid (corner, fuzz and runtime tests, benchmarks)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(__file__))
-    todo = configs()
+    todo = configs(args.subset)
     print(f"{len(todo)} configurations", flush=True)
     with ProcessPoolExecutor(args.jobs) as pool:
         for i, cfg in enumerate(pool.map(_one, todo)):

@@ -1,18 +1,21 @@
 """Small helpers shared by the example notebooks (not part of the mla_cute package).
 
-- ``capture_fd2()``: capture what is written to file descriptor 2.  ptxas prints its
-  resource report ("Used N registers", spill bytes) from C code straight to fd 2, which
-  ``contextlib.redirect_stderr`` (a Python-level redirect) does not see.
+- ``capture_stderr()``: capture standard error, both file descriptor 2 (C level, where
+  native code such as ptxas writes) and ``sys.stderr`` (Python level, where cutlass-dsl
+  prints ptxas' resource report as a compiler remark).
 - ``ptxas_report(text)``: the registers and stack/spill bytes in that report.
 - ``ptx_counts(ptx)``: how often instruction families occur in a PTX string.
-- ``median_time(fn)``: median seconds per call, synchronized on CUDA.
+- ``median_time(fn)``: median seconds per call, synchronized on CUDA (single calls, or
+  ``back_to_back`` calls per synchronization).
 - ``load_gpu_cases()``: ``tests/gpu_cases.py`` (FlashMLA-style inputs) from this checkout.
+- ``print_table(rows, header)``: an aligned text table.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import os
 import re
 import statistics
@@ -28,29 +31,63 @@ class _Captured:
     text: str = ""
 
 
-@contextlib.contextmanager
-def capture_fd2():
-    """Send fd 2 (C-level stderr) into a temporary file for the duration of the block.
+class _StderrProxy:
+    """Stands in for ``sys.stderr``: collects writes while active, then forwards them.
 
-    ``with capture_fd2() as cap: ...`` then ``cap.text`` holds what was written.  Works in
-    a plain interpreter and in a Jupyter kernel (which points fd 2 at its own pipe; the
-    original fd is restored afterwards).
+    Anything that keeps a reference to it (a logging handler created during the capture) then
+    writes to whatever ``sys.stderr`` is at that time (the real one, or a later capture)
+    instead of into a dead buffer.
+    """
+
+    def __init__(self, original):
+        self._original = original
+        self._buffer = io.StringIO()
+        self.active = True
+
+    def _target(self):
+        return sys.stderr if sys.stderr is not self else self._original
+
+    def write(self, text):
+        return self._buffer.write(text) if self.active else self._target().write(text)
+
+    def flush(self):
+        if not self.active:
+            self._target().flush()
+
+    def getvalue(self):
+        return self._buffer.getvalue()
+
+    def __getattr__(self, name):
+        return getattr(self._original, name)
+
+
+@contextlib.contextmanager
+def capture_stderr():
+    """Capture standard error at both levels for the duration of the block.
+
+    ``with capture_stderr() as cap: ...`` then ``cap.text`` holds what was written.
+
+    - fd 2 (C level): ptxas and other native code write there directly, which a Python-level
+      redirect does not see; fd 2 is pointed at a temporary file with ``os.dup2`` and restored
+      afterwards (in a Jupyter kernel it is the kernel's own pipe).
+    - ``sys.stderr`` (Python level): cutlass-dsl 4.8 formats the ptxas report as a compiler
+      remark and ``print``s it to ``sys.stderr``, which in a Jupyter kernel is not fd 2.
     """
     cap = _Captured()
     sys.stderr.flush()
     saved = os.dup(2)
+    py_err = _StderrProxy(sys.stderr)
     with tempfile.TemporaryFile(mode="w+b") as tmp:
         os.dup2(tmp.fileno(), 2)
         try:
-            yield cap
+            with contextlib.redirect_stderr(py_err):
+                yield cap
         finally:
-            try:
-                sys.stderr.flush()
-            finally:
-                os.dup2(saved, 2)
-                os.close(saved)
+            py_err.active = False
+            os.dup2(saved, 2)
+            os.close(saved)
             tmp.seek(0)
-            cap.text = tmp.read().decode("utf-8", errors="replace")
+            cap.text = tmp.read().decode("utf-8", errors="replace") + py_err.getvalue()
 
 
 _SPILL_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -75,8 +112,13 @@ def ptx_counts(ptx: str, families) -> dict:
     return {f: sum(op == f or op.startswith(f + ".") for op in opcodes) for f in families}
 
 
-def median_time(fn, reps: int = 20, warmup: int = 3) -> float:
-    """Median seconds of ``fn()``; each call is synchronized on CUDA (so it includes launch cost)."""
+def median_time(fn, reps: int = 20, warmup: int = 3, back_to_back: int = 1) -> float:
+    """Median seconds per call of ``fn()``, synchronized on CUDA.
+
+    Each sample times ``back_to_back`` consecutive calls and one synchronization: with 1 a
+    number includes the host's launch cost; with many the launches overlap the GPU work and
+    the number approaches the kernels' own time.
+    """
     import torch
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -86,9 +128,10 @@ def median_time(fn, reps: int = 20, warmup: int = 3) -> float:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn()
+        for _ in range(back_to_back):
+            fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / back_to_back)
     return statistics.median(times)
 
 

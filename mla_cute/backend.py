@@ -16,8 +16,17 @@ BACKENDS = ("reference", "cute")
 ENV_VAR = "MLA_CUTE_BACKEND"
 
 
+_sm90: dict = {}
+
+
 def is_sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    hit = _sm90.get(idx)
+    if hit is None:
+        hit = _sm90[idx] = torch.cuda.get_device_capability(idx) == (9, 0)
+    return hit
 
 
 def select_backend(device: torch.device, backend: Optional[str] = None) -> str:

@@ -117,9 +117,22 @@ def _store_to_disk(name: str, fn) -> None:
         log.warning("mla_cute: could not write the compile cache in %s (%s)", directory, exc)
 
 
+class _CurrentStderr(logging.Handler):
+    """Writes to whatever ``sys.stderr`` is at the time (a notebook or a capture may swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        import sys
+
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:
+            self.handleError(record)
+
+
 def _report(msg: str) -> None:
+    """Progress of cold compiles: a log line with the configuration (visible unless logging is configured)."""
     if not log.hasHandlers():
-        handler = logging.StreamHandler()
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("[mla_cute] %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)

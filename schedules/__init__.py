@@ -1,11 +1,18 @@
 """Schedules as plain Python data, and the split-KV planner (imported as ``mla_cute.schedules``)."""
 
-from .dense import DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE, SMEM_CAPACITY, DenseDecodeSchedule
+from .dense import (
+    DEFAULT_DENSE_SCHEDULE,
+    PREFETCH_DENSE_SCHEDULE,
+    SERIAL_DENSE_SCHEDULE,
+    SMEM_CAPACITY,
+    DenseDecodeSchedule,
+)
 from .planner import RECORD_FIELDS, RECORD_SIZE, num_sm_parts_for, plan_splits
 
 __all__ = [
     "DEFAULT_DENSE_SCHEDULE",
     "SERIAL_DENSE_SCHEDULE",
+    "PREFETCH_DENSE_SCHEDULE",
     "SMEM_CAPACITY",
     "DenseDecodeSchedule",
     "RECORD_FIELDS",

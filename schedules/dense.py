@@ -20,16 +20,17 @@ class DenseDecodeSchedule:
 
     kv_stages: KV tiles in flight (64 x 576 each, 72 KiB in 16-bit): 2 fits next to Q.
     qk_prefetch: issue the next tile's S = Q K^T before this tile's softmax, so the tensor
-        cores work while the CUDA cores do the softmax (needs kv_stages >= 2).  False is the
-        first, fully serial schedule, kept to measure the gain.
+        cores could work while the CUDA cores do the softmax (needs kv_stages >= 2).
+        Measured slower on the H200 (docs/performance.md), so off by default.
     kv_evict_first: load KV tiles with the L2 evict-first policy (they are read once).
+        Measured no faster on the H200, so off by default.
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     num_sm_parts: CTAs per (KV head, M tile); None = FlashMLA's rule from the SM count.
     """
 
     kv_stages: int = 2
-    qk_prefetch: bool = True
-    kv_evict_first: bool = True
+    qk_prefetch: bool = False
+    kv_evict_first: bool = False
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
 
@@ -67,5 +68,8 @@ class DenseDecodeSchedule:
 
 
 DEFAULT_DENSE_SCHEDULE = DenseDecodeSchedule()
-# The first schedule: every step of a tile waits for the previous one.
+# The first schedule, every step of a tile waiting for the previous one; every change is
+# measured against it (today it is also the default: nothing measured better yet).
 SERIAL_DENSE_SCHEDULE = DenseDecodeSchedule(qk_prefetch=False, kv_evict_first=False)
+# The next tile's QK^T issued before this tile's softmax, KV loads marked evict-first.
+PREFETCH_DENSE_SCHEDULE = DenseDecodeSchedule(qk_prefetch=True, kv_evict_first=True)

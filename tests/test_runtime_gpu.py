@@ -15,11 +15,11 @@ OUT_ABS, OUT_REL, OUT_COS = 8e-4, 2.01 / 128, 5e-6
 LSE_ABS, LSE_REL = 1e-6, 8.01 / 65536
 
 
-def reference(q, k_cache, block_table, seqlens, causal):
+def reference(q, k_cache, block_table, cache_seqlens, causal):
     import mla_cute
 
-    return mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, mla_cute.get_mla_metadata()[0],
-                                           causal=causal, backend="reference")
+    return mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512,
+                                           mla_cute.get_mla_metadata()[0], causal=causal, backend="reference")
 
 
 def check(out, lse, ref):
@@ -62,22 +62,22 @@ def test_cuda_graph_replays_with_new_inputs(s_q, h_q, causal):
 
 def test_schedule_per_call_and_context_manager():
     import mla_cute
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE
 
     case = make_dense_case(6, 2, 1500, 128, 1, varlen=True)
     ref = reference(**case, causal=True)
     custom = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, split_fixed_cost=2, num_sm_parts=37)
-    for sched in (SERIAL_DENSE_SCHEDULE, custom):
+    for sched in (PREFETCH_DENSE_SCHEDULE, custom):
         poison_allocator()
         meta = mla_cute.get_mla_metadata()[0]
         check(*mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta, causal=True,
                                                schedule=sched), ref)
         assert meta.tile_scheduler_metadata.shape[0] == (37 if sched is custom else meta.tile_scheduler_metadata.shape[0])
         with pytest.raises(ValueError, match="schedule"):
-            other = DEFAULT_DENSE_SCHEDULE if sched is not DEFAULT_DENSE_SCHEDULE else SERIAL_DENSE_SCHEDULE
+            other = PREFETCH_DENSE_SCHEDULE if sched is not PREFETCH_DENSE_SCHEDULE else DEFAULT_DENSE_SCHEDULE
             mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta, causal=True,
                                             schedule=other)
-    with mla_cute.use_schedule(SERIAL_DENSE_SCHEDULE):
+    with mla_cute.use_schedule(PREFETCH_DENSE_SCHEDULE):
         check(*mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512,
                                                tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], causal=True),
               ref)

@@ -1,0 +1,37 @@
+"""Plot a dense decode result file against the FlashMLA anchor (needs matplotlib).
+
+    python benchmarks/plot_results.py benchmarks/results/dense_decode_h200.json docs/performance.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(src: str, dst: str) -> None:
+    rows = json.load(open(src))["rows"]
+    schedules = list(dict.fromkeys(r["schedule"] for r in rows))
+    configs = list(dict.fromkeys((r["b"], r["s_q"], r["h_q"], r["s_k"]) for r in rows))
+    labels = [f"b{b} s{s}\nh{h}\n{k // 1024}K" for b, s, h, k in configs]
+    fig, ax = plt.subplots(figsize=(11, 3.6), dpi=80)
+    width = 0.8 / len(schedules)
+    for i, name in enumerate(schedules):
+        by = {(r["b"], r["s_q"], r["h_q"], r["s_k"]): r["ratio"] for r in rows if r["schedule"] == name}
+        ax.bar([x + i * width for x in range(len(configs))], [by.get(c, 0) for c in configs], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(schedules) - 1) / 2 for x in range(len(configs))], labels, fontsize=7)
+    ax.set_ylabel("throughput / FlashMLA")
+    ax.set_title("mla-cute dense decode on the H200, relative to FlashMLA (same machine, same method)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(dst)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
