@@ -1,0 +1,107 @@
+"""The cute backend's host code on the CPU, with the compiled kernels replaced by recorders.
+
+The GPU tests cover the kernels; these check what the Python side hands them: the query-row
+view, FlashMLA's output shapes, the workspace, the scale, plan reuse and schedule rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    import mla_cute.kernels.build as build
+
+    calls = {"compile": 0, "steps": [], "scheduler": []}
+
+    def compile_dense_decode(dtype, s_q, h_q, h_kv, causal, page, schedule, options="", *, with_combine=False):
+        assert with_combine, "the runtime calls split + combine through one entry"
+        calls["compile"] += 1
+        calls["static"] = (dtype, s_q, h_q, h_kv, causal, page, schedule)
+
+        def step(*args):
+            calls["steps"].append(args)
+
+        return step
+
+    def compile_scheduler(fixed_cost, options=""):
+        return lambda seqlens, sched, splits: calls["scheduler"].append((fixed_cost, sched.shape, splits.shape))
+
+    monkeypatch.setattr(build, "compile_dense_decode", compile_dense_decode)
+    monkeypatch.setattr(build, "compile_scheduler", compile_scheduler)
+    return calls
+
+
+def _inputs(b=3, s_q=2, h_q=12, h_kv=2, page=128):
+    q = torch.randn(b, s_q, h_q, 576).to(torch.bfloat16)
+    k_cache = torch.randn(8, page, h_kv, 576).to(torch.bfloat16)
+    block_table = torch.zeros(b, 2, dtype=torch.int32)
+    seqlens = torch.tensor([5, 0, 200][:b], dtype=torch.int32)
+    return q, k_cache, block_table, seqlens
+
+
+def test_arguments_handed_to_the_step(recorder):
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
+
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=5, split_fixed_cost=3)
+    q, k_cache, block_table, seqlens = _inputs()
+    meta = get_mla_metadata()[0]
+    out, lse = cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, True, meta, True, sched)
+    assert out.shape == (3, 2, 12, 512) and out.dtype == torch.bfloat16
+    assert lse.shape == (3, 12, 2) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert recorder["static"] == (torch.bfloat16, 2, 12, 2, True, 128, sched)
+    assert recorder["scheduler"] == [(3, (5, 8), (4,))]
+    (q_rows, k_arg, bt, sl, records, splits, out_arg, lse_arg, o_acc, lse_acc, scale_log2), = recorder["steps"]
+    assert out_arg is out and lse_arg is lse and k_arg is k_cache and bt is block_table and sl is seqlens
+    assert records is meta.tile_scheduler_metadata and splits is meta.num_splits
+    assert o_acc.shape == (3 + 5, 2, 12, 512) and lse_acc.shape == (3 + 5, 2, 12)
+    assert math.isclose(scale_log2, 0.1 * math.log2(math.e), rel_tol=1e-12)
+    # Row r of KV head h is query token r // group, head h * group + r % group.
+    group = 6
+    assert q_rows.shape == (3, 2 * group, 2, 576)
+    for r in range(2 * group):
+        for h in range(2):
+            assert torch.equal(q_rows[:, r, h], q[:, r // group, h * group + r % group])
+
+
+def test_plan_is_reused_and_keeps_its_schedule(recorder):
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE
+
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=4)
+    q, k_cache, block_table, seqlens = _inputs(h_kv=1)
+    meta = get_mla_metadata()[0]
+    cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, True, sched)
+    cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, False, sched)
+    assert recorder["compile"] == 1 and len(recorder["scheduler"]) == 1 and len(recorder["steps"]) == 2
+    assert recorder["steps"][0][8] is recorder["steps"][1][8], "the split workspace is allocated once"
+    with pytest.raises(ValueError, match="schedule"):
+        cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, False,
+                          dataclasses.replace(PREFETCH_DENSE_SCHEDULE, num_sm_parts=4))
+
+
+def test_h_kv_1_query_rows_are_a_view():
+    from mla_cute.backends.cute import query_rows
+
+    q = torch.randn(2, 3, 16, 576).to(torch.bfloat16)
+    rows = query_rows(q, 1)
+    assert rows.data_ptr() == q.data_ptr() and rows.shape == (2, 48, 1, 576)
+
+
+@pytest.mark.parametrize("page,fp8,match", [(32, False, "multiple of 64"), (64, True, "FP8 cache")])
+def test_unsupported_configurations_raise(page, fp8, match):
+    from mla_cute.backends.cute import check_supported
+
+    cache = torch.zeros(2, page, 1, 656 if fp8 else 576, dtype=torch.uint8 if fp8 else torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=match):
+        check_supported(cache, fp8)
