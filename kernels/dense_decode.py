@@ -35,8 +35,10 @@ write fp32 partials normalised by their own sum, with a base-2 lse, to
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
+from typing import Any
 
 import cutlass
 import cutlass.cute as cute
@@ -251,48 +253,32 @@ class DenseDecodeKernel:
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
 
-        begin_req = mSched[part, 0]
-        end_req = mSched[part, 1]
-        begin_block = mSched[part, 2]
-        end_block = mSched[part, 3]
-        begin_split = mSched[part, 4]
+        work = WorkSlice(mSched[part, 0], mSched[part, 1], mSched[part, 2], mSched[part, 3], mSched[part, 4])
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(
                     tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_pipe, kv_pipe,
-                    mBlockTable, mSeqlens, m_tile, kv_head,
-                    begin_req, end_req, begin_block, end_block,
+                    mBlockTable, mSeqlens, m_tile, kv_head, work,
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            view = self.consumer_view(mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg_idx - 1, tidx % 128)
             self.consume(
-                mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP,
+                view,
                 storage.row_max.get_tensor(cute.make_layout((BLOCK_M, 2))),
                 storage.row_sum.get_tensor(cute.make_layout((BLOCK_M, 2))),
-                q_pipe, kv_pipe,
-                mSeqlens, mNumSplits, mOut, mLse, mOAccum, mLseAccum, scale_log2,
-                m_tile, kv_head, begin_req, end_req, begin_block, end_block, begin_split,
-                wg_idx - 1, tidx % 128,
+                q_pipe, kv_pipe, mSeqlens,
+                SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum),
+                scale_log2, m_tile, kv_head, work,
             )
-
-    @cute.jit
-    def request_blocks(self, req, seqlen, begin_req, end_req, begin_block, end_block):
-        """KV tiles [first, last) of request ``req`` that this CTA serves."""
-        first = cutlass.Int32(0)
-        if req == begin_req:
-            first = begin_block
-        last = (seqlen + BLOCK_N - 1) // BLOCK_N
-        if req == end_req:
-            last = end_block
-        return first, last
 
     # -------------------------------------------------------------- TMA producer
     @cute.jit
     def produce(
         self, tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_pipe, kv_pipe,
-        mBlockTable, mSeqlens, m_tile, kv_head, begin_req, end_req, begin_block, end_block,
+        mBlockTable, mSeqlens, m_tile, kv_head, work,
     ):
         # ((64, 576), m_tiles, 1, h_kv, b) and ((64, 576), page/64, 1, h_kv, num_blocks)
         gQ = cute.flat_divide(tma_q, (BLOCK_M, D_QK))
@@ -305,9 +291,8 @@ class DenseDecodeKernel:
         )
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        for req in cutlass.range(begin_req, end_req + 1, unroll=1):
-            seqlen = mSeqlens[req]
-            first, last = self.request_blocks(req, seqlen, begin_req, end_req, begin_block, end_block)
+        for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
+            first, last = work.blocks(req, mSeqlens[req])
             q_pipe.producer_acquire(q_state)
             cute.copy(
                 tma_atom_q, tQgQ[None, m_tile, 0, kv_head, req], tQsQ,
@@ -334,68 +319,81 @@ class DenseDecodeKernel:
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(
-        self, mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sMax, sSum, q_pipe, kv_pipe,
-        mSeqlens, mNumSplits, mOut, mLse, mOAccum, mLseAccum, scale_log2,
-        m_tile, kv_head, begin_req, end_req, begin_block, end_block, begin_split,
-        wg, tid,
-    ):
+    def consumer_view(self, mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg, tid) -> "ConsumerView":
+        """This thread's MMA operands: its warpgroup's 32 tokens of K and 256 columns of V."""
         mma_qk_first.set(warpgroup.Field.ACCUMULATE, False)
         tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         thr_qk = tiled_mma_qk.get_slice(tid)
         thr_pv = tiled_mma_pv.get_slice(tid)
-        # This warpgroup's 32 tokens of K and 256 columns of V, in every stage.
         sK_half = cute.local_tile(sK, (HALF_N, D_QK, self.kv_stages), (wg, 0, 0))
         sV_half = cute.local_tile(sV, (HALF_V, BLOCK_N, self.kv_stages), (wg, 0, 0))
         sP_half = cute.local_tile(sP, (BLOCK_M, HALF_N), (0, wg))
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_half))
-        tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
-        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV_half))
-        tPsP = thr_qk.partition_C(sP_half)
+        acc_s_shape = thr_qk.partition_shape_C((BLOCK_M, HALF_N))
+        return ConsumerView(
+            mma_qk_first=mma_qk_first,
+            mma_qk=tiled_mma_qk,
+            mma_pv=tiled_mma_pv,
+            tSrQ=thr_qk.make_fragment_A(thr_qk.partition_A(sQ)),
+            tSrK=thr_qk.make_fragment_B(thr_qk.partition_B(sK_half)),
+            tOrP=thr_pv.make_fragment_A(thr_pv.partition_A(sP)),
+            tOrV=thr_pv.make_fragment_B(thr_pv.partition_B(sV_half)),
+            tPsP=thr_qk.partition_C(sP_half),
+            tScS=thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, HALF_N))),
+            tOcO=thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, HALF_V))),
+            sV_half=sV_half,
+            acc_s=thr_qk.make_fragment_C(acc_s_shape),
+            acc_s_next=thr_qk.make_fragment_C(acc_s_shape),
+            acc_o=thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, HALF_V))),
+            rP=cute.make_rmem_tensor_like(thr_qk.make_fragment_C(acc_s_shape), self.dtype),
+            wg=wg,
+            tid=tid,
+        )
 
-        # Coordinates of this thread's accumulator elements.
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, HALF_N)))
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, HALF_V)))
-        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, HALF_N)))
-        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, HALF_V)))
-        rP = cute.make_rmem_tensor_like(acc_s, self.dtype)
-
-        # Each thread owns 2 rows of the 64 (WGMMA accumulator layout): (tid//32)*16 + (tid%32)//4 + 8i.
+    @cute.jit
+    def row_state(self, m_tile, tid) -> "RowState":
+        """The two query rows this thread owns in the WGMMA accumulator: row0 and row0 + 8."""
         row0 = (tid // 32) * 16 + (tid % 32) // 4
-        row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
-        row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
-        # Causal: last visible token of row r is seqlen - (s_q - 1 - r // group) - 1.
-        row_shift = cute.make_rmem_tensor((2,), cutlass.Int32)
+        # Causal: row r (query token r // group) sees keys [0, seqlen - shift).
+        shift = cute.make_rmem_tensor((2,), cutlass.Int32)
         for i in cutlass.range_constexpr(2):
-            row_shift[i] = 0
+            shift[i] = 0
             if cutlass.const_expr(self.causal):
                 grow = m_tile * BLOCK_M + row0 + 8 * i
                 s_idx = cutlass.min(grow // self.group, self.s_q - 1)
-                row_shift[i] = self.s_q - 1 - s_idx
+                shift[i] = self.s_q - 1 - s_idx
+        return RowState(
+            row0=row0,
+            row_max=cute.make_rmem_tensor((2,), cutlass.Float32),
+            row_sum=cute.make_rmem_tensor((2,), cutlass.Float32),
+            shift=shift,
+        )
 
-        consumers = pipeline.NamedBarrier(barrier_id=int(BarrierId.ROW_MAX), num_threads=256)
-        p_ready = pipeline.NamedBarrier(barrier_id=int(BarrierId.P_READY), num_threads=256)
-        sums_ready = pipeline.NamedBarrier(barrier_id=int(BarrierId.ROW_SUM), num_threads=256)
-
-        acc_s_next = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, HALF_N)))
+    @cute.jit
+    def consume(self, v, sMax, sSum, q_pipe, kv_pipe, mSeqlens, outs, scale_log2, m_tile, kv_head, work):
+        rows = self.row_state(m_tile, v.tid)
+        bars = ConsumerBarriers(
+            row_max=pipeline.NamedBarrier(barrier_id=int(BarrierId.ROW_MAX), num_threads=256),
+            p_ready=pipeline.NamedBarrier(barrier_id=int(BarrierId.P_READY), num_threads=256),
+            row_sum=pipeline.NamedBarrier(barrier_id=int(BarrierId.ROW_SUM), num_threads=256),
+        )
+        acc_s, acc_s_next, acc_o = v.acc_s, v.acc_s_next, v.acc_o
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        for req in cutlass.range(begin_req, end_req + 1, unroll=1):
+        for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             seqlen = mSeqlens[req]
-            first, last = self.request_blocks(req, seqlen, begin_req, end_req, begin_block, end_block)
+            first, last = work.blocks(req, seqlen)
             acc_o.fill(0.0)
             for i in cutlass.range_constexpr(2):
-                row_max[i] = -cutlass.Float32.inf
-                row_sum[i] = 0.0
+                rows.row_max[i] = -cutlass.Float32.inf
+                rows.row_sum[i] = 0.0
             q_pipe.consumer_wait(q_state)
             if cutlass.const_expr(self.qk_prefetch):
                 # The next tile's S is issued on the tensor cores before this tile's softmax.
                 # The last tile is peeled so every wait in the loop has a fixed depth.
                 if first < last:
                     kv_pipe.consumer_wait(kv_state)
-                    self.mma_qk(mma_qk_first, tiled_mma_qk, acc_s, tSrQ, tSrK, kv_state.index)
+                    self.mma_qk(v, acc_s, kv_state.index)
                     # Settle the first S before the loop: its registers enter the loop through a
                     # copy, and copying an in-flight accumulator would serialize every WGMMA.
                     warpgroup.wait_group(0)
@@ -403,100 +401,80 @@ class DenseDecodeKernel:
                         next_state = kv_state.clone()
                         next_state.advance()
                         kv_pipe.consumer_wait(next_state)
-                        self.mma_qk(mma_qk_first, tiled_mma_qk, acc_s_next, tSrQ, tSrK, next_state.index)
+                        self.mma_qk(v, acc_s_next, next_state.index)
                         warpgroup.wait_group(1)
-                        self.finish_tile(
-                            tiled_mma_pv, acc_s, acc_o, rP, tPsP, tOrP, tOrV, tScS, sV_half, sMax, consumers, p_ready,
-                            row_max, row_sum, row_shift, seqlen, blk, kv_state.index, scale_log2, wg, tid, row0,
-                        )
+                        self.finish_tile(v, rows, bars, sMax, seqlen, blk, kv_state.index, scale_log2)
                         kv_pipe.consumer_release(kv_state)
                         kv_state.advance()
                         acc_s.store(acc_s_next.load())
                     warpgroup.wait_group(0)
-                    self.finish_tile(
-                        tiled_mma_pv, acc_s, acc_o, rP, tPsP, tOrP, tOrV, tScS, sV_half, sMax, consumers, p_ready,
-                        row_max, row_sum, row_shift, seqlen, last - 1, kv_state.index, scale_log2, wg, tid, row0,
-                    )
+                    self.finish_tile(v, rows, bars, sMax, seqlen, last - 1, kv_state.index, scale_log2)
                     kv_pipe.consumer_release(kv_state)
                     kv_state.advance()
             else:
                 for blk in cutlass.range(first, last, unroll=1):
                     kv_pipe.consumer_wait(kv_state)
-                    self.mma_qk(mma_qk_first, tiled_mma_qk, acc_s, tSrQ, tSrK, kv_state.index)
+                    self.mma_qk(v, acc_s, kv_state.index)
                     warpgroup.wait_group(0)
-                    self.finish_tile(
-                        tiled_mma_pv, acc_s, acc_o, rP, tPsP, tOrP, tOrV, tScS, sV_half, sMax, consumers, p_ready,
-                        row_max, row_sum, row_shift, seqlen, blk, kv_state.index, scale_log2, wg, tid, row0,
-                    )
+                    self.finish_tile(v, rows, bars, sMax, seqlen, blk, kv_state.index, scale_log2)
                     kv_pipe.consumer_release(kv_state)
                     kv_state.advance()
             q_pipe.consumer_release(q_state)
             q_state.advance()
-
-            self.epilogue(
-                acc_o, tOcO, row_max, row_sum, sSum, sums_ready, mNumSplits, mOut, mLse, mOAccum, mLseAccum,
-                scale_log2, req, m_tile, kv_head, begin_req, begin_split, wg, tid, row0,
-            )
+            self.epilogue(v, rows, bars, sSum, outs, work, scale_log2, req, m_tile, kv_head)
 
     @cute.jit
-    def finish_tile(
-        self, tiled_mma_pv, acc_s, acc_o, rP, tPsP, tOrP, tOrV, tScS, sV_half, sMax, consumers, p_ready,
-        row_max, row_sum, row_shift, seqlen, blk, stage, scale_log2, wg, tid, row0,
-    ):
-        """With S of tile ``blk`` in registers: softmax, P into sP, O += P V (waits for the tensor cores)."""
-        self.online_softmax(
-            acc_s, acc_o, tScS, row_max, row_sum, row_shift, sMax, consumers,
-            seqlen, blk * BLOCK_N + wg * HALF_N, scale_log2, wg, tid, row0,
-        )
+    def finish_tile(self, v, rows, bars, sMax, seqlen, blk, stage, scale_log2):
+        """With S of tile ``blk`` in ``v.acc_s``: softmax, P into sP, O += P V (waits for the tensor cores)."""
+        self.online_softmax(v, rows, bars, sMax, seqlen, blk * BLOCK_N + v.wg * HALF_N, scale_log2)
         # Rows of the last tile past the length may hold NaN, and 0 * NaN = NaN: zero them.
         valid = seqlen - blk * BLOCK_N
         if valid < BLOCK_N:
-            self.zero_tail_rows(sV_half, stage, valid, tid)
-        rP.store(acc_s.load().to(self.dtype))
-        cute.autovec_copy(rP, tPsP)
+            self.zero_tail_rows(v.sV_half, stage, valid, v.tid)
+        v.rP.store(v.acc_s.load().to(self.dtype))
+        cute.autovec_copy(v.rP, v.tPsP)
         cute.arch.fence_view_async_shared()
-        p_ready.arrive_and_wait()
+        bars.p_ready.arrive_and_wait()
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(tiled_mma_pv, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, stage], acc_o)
+        for kb in cutlass.range_constexpr(cute.size(v.tOrP, mode=[2])):
+            cute.gemm(v.mma_pv, v.acc_o, v.tOrP[None, None, kb], v.tOrV[None, None, kb, stage], v.acc_o)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 
     @cute.jit
-    def mma_qk(self, mma_first, mma_rest, acc_s, tSrQ, tSrK, stage):
+    def mma_qk(self, v, acc_s, stage):
         """Issue S = Q K_half^T over the 576 features (asynchronous: the caller waits).
 
-        ``mma_first`` overwrites the accumulator, ``mma_rest`` adds to it: two objects with
+        ``v.mma_qk_first`` overwrites the accumulator, ``v.mma_qk`` adds to it: two objects with
         fixed flags, because setting a flag inside staged control flow would leak the value.
         """
         warpgroup.fence()
-        cute.gemm(mma_first, acc_s, tSrQ[None, None, 0], tSrK[None, None, 0, stage], acc_s)
-        for kb in cutlass.range_constexpr(1, cute.size(tSrQ, mode=[2])):
-            cute.gemm(mma_rest, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, stage], acc_s)
+        cute.gemm(v.mma_qk_first, acc_s, v.tSrQ[None, None, 0], v.tSrK[None, None, 0, stage], acc_s)
+        for kb in cutlass.range_constexpr(1, cute.size(v.tSrQ, mode=[2])):
+            cute.gemm(v.mma_qk, acc_s, v.tSrQ[None, None, kb], v.tSrK[None, None, kb, stage], acc_s)
         warpgroup.commit_group()
 
     @cute.jit
-    def online_softmax(
-        self, acc_s, acc_o, tScS, row_max, row_sum, row_shift, sMax, consumers,
-        seqlen, tok0, scale_log2, wg, tid, row0,
-    ):
+    def online_softmax(self, v, rows, bars, sMax, seqlen, tok0, scale_log2):
         """Mask, share the row max with the other warpgroup, turn S into P, rescale O and the sums."""
+        acc_s, acc_o, wg = v.acc_s, v.acc_o, v.wg
+        row_max, row_sum, row0 = rows.row_max, rows.row_sum, rows.row0
         part_max = cute.make_rmem_tensor((2,), cutlass.Float32)
         for i in cutlass.range_constexpr(2):
             part_max[i] = -cutlass.Float32.inf
         for e in cutlass.range_constexpr(cute.size(acc_s)):
-            r, c = tScS[e]
+            r, c = v.tScS[e]
             i = (e // 2) % 2  # accumulator value e sits in row row0 + 8 * i
             s = acc_s[e]
-            if tok0 + c >= seqlen - row_shift[i]:
+            if tok0 + c >= seqlen - rows.shift[i]:
                 s = -cutlass.Float32.inf
             acc_s[e] = s
             part_max[i] = cute.arch.fmax(part_max[i], s)
         for i in cutlass.range_constexpr(2):
             part_max[i] = cute.arch.warp_reduction_max(part_max[i], threads_in_group=4)
-            if tid % 4 == 0:
+            if v.tid % 4 == 0:
                 sMax[row0 + 8 * i, wg] = part_max[i]
-        consumers.arrive_and_wait()
+        bars.row_max.arrive_and_wait()
 
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
         base = cute.make_rmem_tensor((2,), cutlass.Float32)
@@ -530,16 +508,15 @@ class DenseDecodeKernel:
             sV_half[col, tok, stage] = self.dtype(0.0)
 
     @cute.jit
-    def epilogue(
-        self, acc_o, tOcO, row_max, row_sum, sSum, sums_ready, mNumSplits, mOut, mLse, mOAccum, mLseAccum,
-        scale_log2, req, m_tile, kv_head, begin_req, begin_split, wg, tid, row0,
-    ):
+    def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, m_tile, kv_head):
         """Normalise and write this request's rows: final output, or an fp32 partial."""
+        acc_o, wg, tid, row0 = v.acc_o, v.wg, v.tid, rows.row0
+        row_sum = rows.row_sum
         for i in cutlass.range_constexpr(2):
             row_sum[i] = cute.arch.warp_reduction_sum(row_sum[i], threads_in_group=4)
             if tid % 4 == 0:
                 sSum[row0 + 8 * i, wg] = row_sum[i]
-        sums_ready.arrive_and_wait()
+        bars.row_sum.arrive_and_wait()
         inv = cute.make_rmem_tensor((2,), cutlass.Float32)
         lse2 = cute.make_rmem_tensor((2,), cutlass.Float32)
         for i in cutlass.range_constexpr(2):
@@ -548,18 +525,18 @@ class DenseDecodeKernel:
             lse2[i] = -cutlass.Float32.inf
             if total > 0.0:
                 inv[i] = 1.0 / total
-                lse2[i] = row_max[i] * scale_log2 + cute.math.log2(total, fastmath=False)
+                lse2[i] = rows.row_max[i] * scale_log2 + cute.math.log2(total, fastmath=False)
         # Both warpgroups read sSum above; the next request's writes come after later barriers.
 
-        n_splits = mNumSplits[req + 1] - mNumSplits[req]
+        n_splits = outs.num_splits[req + 1] - outs.num_splits[req]
         row_base = m_tile * BLOCK_M
         col_base = wg * HALF_V
         if n_splits == 1:
             for e in cutlass.range_constexpr(cute.size(acc_o)):
-                r, c = tOcO[e]
+                r, c = v.tOcO[e]
                 i = 0 if (e // 2) % 2 == 0 else 1
                 if row_base + r < self.rows:
-                    mOut[req, kv_head, row_base + r, col_base + c] = (acc_o[e] * inv[i]).to(self.dtype)
+                    outs.out[req, kv_head, row_base + r, col_base + c] = (acc_o[e] * inv[i]).to(self.dtype)
             if wg == 0 and tid % 4 == 0:
                 for i in cutlass.range_constexpr(2):
                     r = row_base + row0 + 8 * i
@@ -567,18 +544,96 @@ class DenseDecodeKernel:
                         lse = cutlass.Float32.inf
                         if lse2[i] != -cutlass.Float32.inf:
                             lse = lse2[i] * LN_2
-                        mLse[req, kv_head, r] = lse
+                        outs.lse[req, kv_head, r] = lse
         else:
-            split = mNumSplits[req]
-            if req == begin_req:
-                split = split + begin_split
+            split = outs.num_splits[req]
+            if req == work.begin_req:
+                split = split + work.begin_split
             for e in cutlass.range_constexpr(cute.size(acc_o)):
-                r, c = tOcO[e]
+                r, c = v.tOcO[e]
                 i = 0 if (e // 2) % 2 == 0 else 1
                 if row_base + r < self.rows:
-                    mOAccum[split, kv_head, row_base + r, col_base + c] = acc_o[e] * inv[i]
+                    outs.o_accum[split, kv_head, row_base + r, col_base + c] = acc_o[e] * inv[i]
             if wg == 0 and tid % 4 == 0:
                 for i in cutlass.range_constexpr(2):
                     r = row_base + row0 + 8 * i
                     if r < self.rows:
-                        mLseAccum[split, kv_head, r] = lse2[i]
+                        outs.lse_accum[split, kv_head, r] = lse2[i]
+
+
+# ---------------------------------------------------------------- device-side records
+# Plain containers: their fields are set once and never rebound inside staged control flow
+# (register tensors are updated in place), so the DSL tracer sees through them.
+
+
+@dataclasses.dataclass
+class WorkSlice:
+    """This CTA's share of the batch, from its scheduler record."""
+
+    begin_req: Any
+    end_req: Any
+    begin_block: Any
+    end_block: Any
+    begin_split: Any
+
+    @cute.jit
+    def blocks(self, req, seqlen):
+        """KV tiles [first, last) of request ``req`` that this CTA serves."""
+        first = cutlass.Int32(0)
+        if req == self.begin_req:
+            first = self.begin_block
+        last = (seqlen + BLOCK_N - 1) // BLOCK_N
+        if req == self.end_req:
+            last = self.end_block
+        return first, last
+
+
+@dataclasses.dataclass
+class SplitOutputs:
+    """Where results go: final out/lse (FlashMLA layouts seen per KV head) or fp32 partials."""
+
+    num_splits: Any
+    out: Any
+    lse: Any
+    o_accum: Any
+    lse_accum: Any
+
+
+@dataclasses.dataclass
+class ConsumerView:
+    """One consumer thread's MMA operands, accumulators and accumulator coordinates."""
+
+    mma_qk_first: Any
+    mma_qk: Any
+    mma_pv: Any
+    tSrQ: Any
+    tSrK: Any
+    tOrP: Any
+    tOrV: Any
+    tPsP: Any
+    tScS: Any
+    tOcO: Any
+    sV_half: Any
+    acc_s: Any
+    acc_s_next: Any
+    acc_o: Any
+    rP: Any
+    wg: Any
+    tid: Any
+
+
+@dataclasses.dataclass
+class RowState:
+    """The thread's two query rows (row0, row0 + 8): running max and sum, causal shift."""
+
+    row0: Any
+    row_max: Any
+    row_sum: Any
+    shift: Any
+
+
+@dataclasses.dataclass
+class ConsumerBarriers:
+    row_max: Any
+    p_ready: Any
+    row_sum: Any
