@@ -84,11 +84,9 @@ def check_dense_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, p
     needed = (lens + page - 1) // page  # blocks each request uses
     pos = torch.arange(max_blocks, device=block_table.device).unsqueeze(0)
     used = pos < needed.unsqueeze(1)
-    bad_ids = used & ((block_table < 0) | (block_table >= num_blocks))
-    stats = torch.stack(
-        [lens.min(), lens.max(), bad_ids.any().long(), (bad_ids.long().argmax() if bad_ids.numel() else lens.min() * 0)]
-    ).tolist()
-    lo, hi, any_bad, flat = stats
+    bad_ids = (used & ((block_table < 0) | (block_table >= num_blocks))).flatten().long()
+    first_bad = bad_ids.argmax() if bad_ids.numel() else torch.zeros_like(lens.max())
+    lo, hi, any_bad, flat = torch.stack([lens.min(), lens.max(), bad_ids.sum(), first_bad]).tolist()
     if lo < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got a minimum of {lo}")
     if hi > max_blocks * page:
