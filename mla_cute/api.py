@@ -253,6 +253,8 @@ def flash_mla_with_kvcache(
     )
     if _check_metadata(tile_scheduler_metadata, config, topk_length):
         _bind_metadata(tile_scheduler_metadata, config, topk_length)
+        if kind == "reference":
+            _fill_sparse_reference_metadata(tile_scheduler_metadata, q, indices.shape[-1], topk_length)
     if kind == "reference":
         return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v)
     raise NotImplementedError("sparse FP8 decode has no 'cute' kernel yet; pass backend='reference'")
@@ -295,6 +297,19 @@ def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens,
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
     parts = schedule.num_sm_parts or num_sm_parts_for(num_sms, q.shape[1], q.shape[2], k_cache.shape[2])
     records, splits = plan_splits(cache_seqlens, parts, 64, schedule.split_fixed_cost)
+    meta.tile_scheduler_metadata = records.to(q.device)
+    meta.num_splits = splits.to(q.device)
+
+
+def _fill_sparse_reference_metadata(meta: FlashMLASchedMeta, q, topk: int, topk_length) -> None:
+    """The split plan FlashMLA's sparse decode makes (64-token blocks over topk, fixed cost 5)."""
+    from .schedules import plan_splits, sparse_lengths, sparse_num_sm_parts_for
+
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # planning on the host needs the lengths' values
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+    parts = sparse_num_sm_parts_for(num_sms, q.shape[1], q.shape[2])
+    records, splits = plan_splits(sparse_lengths(topk, topk_length, q.shape[0]), parts, 64, 5)
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
 

@@ -7,7 +7,7 @@ from .dense import (
     SMEM_CAPACITY,
     DenseDecodeSchedule,
 )
-from .planner import RECORD_FIELDS, RECORD_SIZE, num_sm_parts_for, plan_splits
+from .planner import RECORD_FIELDS, RECORD_SIZE, num_sm_parts_for, plan_splits, sparse_lengths, sparse_num_sm_parts_for
 
 __all__ = [
     "DEFAULT_DENSE_SCHEDULE",
@@ -19,4 +19,6 @@ __all__ = [
     "RECORD_SIZE",
     "num_sm_parts_for",
     "plan_splits",
+    "sparse_lengths",
+    "sparse_num_sm_parts_for",
 ]

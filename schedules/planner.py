@@ -41,6 +41,18 @@ def num_sm_parts_for(num_sms: int, s_q: int, h_q: int, h_kv: int, block_m: int =
     return max(num_sms // h_kv // math.ceil(rows_per_kv_head / block_m), 1)
 
 
+def sparse_num_sm_parts_for(num_sms: int, s_q: int, h_q: int, heads_per_cta: int = 64) -> int:
+    """FlashMLA's part count for sparse decode: one CTA per SM, each query token's heads in 64-head tiles."""
+    return max(num_sms // s_q // max(h_q // heads_per_cta, 1), 1)
+
+
+def sparse_lengths(topk: int, topk_length, b: int) -> torch.Tensor:
+    """Per-request work of sparse decode in tokens: ``topk_length`` (or ``topk``), at least 1 so every
+    request gets a part that writes its (possibly empty) result, as FlashMLA's scheduler does."""
+    lens = torch.full((b,), topk, dtype=torch.int64) if topk_length is None else topk_length.detach().cpu().long()
+    return lens.clamp(1, topk)
+
+
 def plan_splits(
     seqlens: torch.Tensor,
     num_parts: int,

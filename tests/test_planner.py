@@ -231,3 +231,28 @@ def test_num_sm_parts_matches_formula_on_grid():
             for h_kv in (1, 2, 3, 8):
                 for h_q in (h_kv * g for g in (1, 3, 21, 32, 64, 126)):
                     assert num_sm_parts_for(num_sms, s_q, h_q, h_kv) == _parts_formula(num_sms, s_q, h_q, h_kv)
+
+
+def test_sparse_part_count_and_lengths():
+    from mla_cute.schedules import sparse_lengths, sparse_num_sm_parts_for
+
+    assert sparse_num_sm_parts_for(132, 2, 128) == 33
+    assert sparse_num_sm_parts_for(132, 1, 64) == 132
+    assert sparse_num_sm_parts_for(132, 1, 16) == 132  # fewer than 64 heads still take one tile
+    assert sparse_num_sm_parts_for(132, 200, 128) == 1
+    assert sparse_lengths(2048, None, 3).tolist() == [2048, 2048, 2048]
+    assert sparse_lengths(128, torch.tensor([0, 5, 128], dtype=torch.int32), 3).tolist() == [1, 5, 128]
+
+
+def test_sparse_reference_call_fills_the_metadata():
+    import mla_cute
+
+    cache = mla_cute.quantize_kv_cache(torch.randn(2, 64, 1, 576).to(torch.bfloat16))
+    meta, _ = mla_cute.get_mla_metadata()
+    q = torch.randn(3, 2, 64, 576).to(torch.bfloat16)
+    indices = torch.randint(0, 128, (3, 2, 128), dtype=torch.int32)
+    topk_length = torch.tensor([0, 70, 128], dtype=torch.int32)
+    mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, is_fp8_kvcache=True, indices=indices,
+                                    topk_length=topk_length, backend="reference")
+    assert meta.tile_scheduler_metadata.shape == (66, 8) and meta.tile_scheduler_metadata.dtype == torch.int32
+    assert meta.num_splits.tolist()[0] == 0 and len(meta.num_splits) == 4
