@@ -102,6 +102,15 @@ def check_dense_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, p
         )
 
 
+def _check_topk_length_and_sink(topk_length, length_shape: tuple, length_what: str, attn_sink, h_q: int) -> None:
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dim=1, dtypes=(torch.int32,))
+        check_shape("topk_length", topk_length, length_shape, length_what)
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink, dim=1, dtypes=(torch.float32,))
+        check_shape("attn_sink", attn_sink, (h_q,), "[h_q]")
+
+
 def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal) -> None:
     if not is_fp8_kvcache:
         raise ValueError("is_fp8_kvcache must be True when indices is given (sparse decode reads the FP8 cache)")
@@ -121,12 +130,7 @@ def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v,
     check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))
     if tuple(indices.shape[:2]) != (b, s_q) or indices.shape[2] < 1:
         raise ValueError(f"indices must have shape [batch_size={b}, s_q={s_q}, topk>=1], got {list(indices.shape)}")
-    if topk_length is not None:
-        check_tensor("topk_length", topk_length, dim=1, dtypes=(torch.int32,))
-        check_shape("topk_length", topk_length, (b,), "[batch_size]")
-    if attn_sink is not None:
-        check_tensor("attn_sink", attn_sink, dim=1, dtypes=(torch.float32,))
-        check_shape("attn_sink", attn_sink, (h_q,), "[h_q]")
+    _check_topk_length_and_sink(topk_length, (b,), "[batch_size]", attn_sink, h_q)
     check_same_device("q", q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
 
 
@@ -143,10 +147,5 @@ def check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length) -> None:
     check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))
     if indices.shape[0] != s_q or indices.shape[1] != 1 or indices.shape[2] < 1:
         raise ValueError(f"indices must have shape [s_q={s_q}, 1, topk>=1], got {list(indices.shape)}")
-    if topk_length is not None:
-        check_tensor("topk_length", topk_length, dim=1, dtypes=(torch.int32,))
-        check_shape("topk_length", topk_length, (s_q,), "[s_q]")
-    if attn_sink is not None:
-        check_tensor("attn_sink", attn_sink, dim=1, dtypes=(torch.float32,))
-        check_shape("attn_sink", attn_sink, (h_q,), "[h_q]")
+    _check_topk_length_and_sink(topk_length, (s_q,), "[s_q]", attn_sink, h_q)
     check_same_device("q", q, kv=kv, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
