@@ -1,4 +1,4 @@
-"""Dense decode benchmark, by the anchor's method (../shared/anchors/README.md of the project's notes).
+"""Dense decode benchmark, by the method of the FlashMLA anchor numbers (benchmarks/results/anchor_*.json).
 
 Fixed s_k per request, page 64, random block table, random normal bf16 q and cache,
 softmax_scale 576**-0.5, causal when s_q > 1, metadata computed on the first call and
