@@ -10,10 +10,17 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 from . import validation as V
-from .backend import select_backend
-from .backends import reference
+from .backend import num_sms, select_backend
+from .backends import cute, reference
 from .fp8 import D_QK, dequantize_kv_cache
-from .schedules import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
+from .schedules import (
+    DEFAULT_DENSE_SCHEDULE,
+    DenseDecodeSchedule,
+    num_sm_parts_for,
+    plan_splits,
+    sparse_lengths,
+    sparse_num_sm_parts_for,
+)
 
 _schedule_override: contextvars.ContextVar[Optional[DenseDecodeSchedule]] = contextvars.ContextVar(
     "mla_cute_dense_schedule", default=None
@@ -214,8 +221,6 @@ def flash_mla_with_kvcache(
         kind = select_backend(q.device, backend)
         sched = _resolve_schedule(schedule)
         if kind == "cute":
-            from .backends import cute
-
             cute.check_supported(k_cache, is_fp8_kvcache)
         config = FlashMLASchedMeta.Config(
             q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
@@ -232,8 +237,6 @@ def flash_mla_with_kvcache(
                 _fill_reference_metadata(tile_scheduler_metadata, q, k_cache, cache_seqlens, sched)
             cache = dequantize_kv_cache(k_cache) if is_fp8_kvcache else k_cache
             return reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, causal, head_dim_v)
-        from .backends import cute
-
         return cute.dense_decode(
             q, k_cache, block_table, cache_seqlens, softmax_scale, causal, tile_scheduler_metadata, first, sched,
         )
@@ -242,7 +245,6 @@ def flash_mla_with_kvcache(
         V.check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,))
     if cache_seqlens is not None:
         V.check_tensor("cache_seqlens", cache_seqlens, dim=1, dtypes=(torch.int32,))
-    V.check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))
     V.check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal)
     kind = select_backend(q.device, backend)
     if schedule is not None:
@@ -292,10 +294,7 @@ def flash_mla_sparse_fwd(
 
 def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens, schedule) -> None:
     """Give reference users the same metadata tensors the kernels would use."""
-    from .schedules import num_sm_parts_for, plan_splits
-
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-    parts = schedule.num_sm_parts or num_sm_parts_for(num_sms, q.shape[1], q.shape[2], k_cache.shape[2])
+    parts = schedule.num_sm_parts or num_sm_parts_for(num_sms(q.device), q.shape[1], q.shape[2], k_cache.shape[2])
     records, splits = plan_splits(cache_seqlens, parts, 64, schedule.split_fixed_cost)
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
@@ -303,12 +302,9 @@ def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens,
 
 def _fill_sparse_reference_metadata(meta: FlashMLASchedMeta, q, topk: int, topk_length) -> None:
     """The split plan FlashMLA's sparse decode makes (64-token blocks over topk, fixed cost 5)."""
-    from .schedules import plan_splits, sparse_lengths, sparse_num_sm_parts_for
-
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # planning on the host needs the lengths' values
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-    parts = sparse_num_sm_parts_for(num_sms, q.shape[1], q.shape[2])
+    parts = sparse_num_sm_parts_for(num_sms(q.device), q.shape[1], q.shape[2])
     records, splits = plan_splits(sparse_lengths(topk, topk_length, q.shape[0]), parts, 64, 5)
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
@@ -323,8 +319,6 @@ def precompile(configs: Iterable[dict], *, schedule: Optional[DenseDecodeSchedul
     machine without one).  Returns the number of configurations prepared; each cold compile
     logs a line with its configuration.
     """
-    from .backends import cute
-
     count = 0
     for i, cfg in enumerate(configs):
         cfg = dict(cfg)

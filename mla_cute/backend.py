@@ -17,6 +17,19 @@ ENV_VAR = "MLA_CUTE_BACKEND"
 
 
 _sm90: dict = {}
+_num_sms: dict = {}
+# SM count assumed when planning without a GPU (CPU tensors): an H100/H200.
+HOPPER_NUM_SMS = 132
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (cached); ``HOPPER_NUM_SMS`` for a CPU device."""
+    if device.type != "cuda":
+        return HOPPER_NUM_SMS
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _num_sms:
+        _num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _num_sms[idx]
 
 
 def is_sm90(device: torch.device) -> bool:

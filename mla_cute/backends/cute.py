@@ -11,18 +11,11 @@ import math
 
 import torch
 
+from ..backend import num_sms
 from ..schedules import num_sm_parts_for
 from ..schedules.dense import DenseDecodeSchedule
 
 _LOG2_E = math.log2(math.e)
-_num_sms: dict = {}
-
-
-def num_sms(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _num_sms:
-        _num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _num_sms[idx]
 
 
 def _aligned(t: torch.Tensor) -> bool:
