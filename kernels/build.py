@@ -90,6 +90,7 @@ def compile_combine(torch_dtype, s_q: int, h_q: int, h_kv: int, options: str = "
             make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16),
             make_fake_compact_tensor(dtype, (b, s_q, h_q, D_V), stride_order=order4, assumed_align=16),
             make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4),
+            None,
             make_fake_stream(use_tvm_ffi_env_stream=True),
         )
         return cute.compile(CombineKernel(dtype, group, s_q), *args, options=compile_options(options))
@@ -112,3 +113,52 @@ def compile_scheduler(fixed_cost: int, options: str = ""):
         return cute.compile(SchedulerKernel(fixed_cost), *args, options=compile_options(options))
 
     return cached_compile(key, build, describe=f"scheduler fixed_cost={fixed_cost}", persistent=not options)
+
+
+def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool):
+    """Fake tensors matching ``SparseDecodeFp8Kernel.__call__`` (and the sparse step)."""
+    from .sparse_decode_fp8 import ROW_BYTES
+
+    b, nb, page, topk, parts, splits = _sym(), _sym(), _sym(), _sym(64), _sym(), _sym()
+    s64 = lambda: _sym(8, 64)  # noqa: E731
+    bf16 = cutlass.BFloat16
+    q = make_fake_tensor(bf16, (b, s_q, h_q, D_QK), (s64(), s64(), s64(), 1), assumed_align=16)
+    # The 656-byte rows as int32 words: 16-byte loads need 16-byte aligned rows.
+    cache = make_fake_tensor(cutlass.Int32, (nb, page, ROW_BYTES // 4), (_sym(4, 64), ROW_BYTES // 4, 1),
+                             assumed_align=16)
+    indices = make_fake_tensor(cutlass.Int32, (b, s_q, topk), (_sym(1, 64), _sym(1, 64), 1), assumed_align=4)
+    topk_len = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4)
+    sched = make_fake_compact_tensor(cutlass.Int32, (parts, 8), stride_order=(1, 0), assumed_align=16)
+    num_splits = make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4)
+    order4 = (3, 2, 1, 0)
+    rows = s_q * h_q
+    out = make_fake_compact_tensor(bf16, (b, s_q, h_q, D_V), stride_order=order4, assumed_align=16)
+    lse = make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4)
+    o_acc = make_fake_compact_tensor(cutlass.Float32, (splits, 1, rows, D_V), stride_order=order4, assumed_align=16)
+    lse_acc = make_fake_compact_tensor(cutlass.Float32, (splits, 1, rows), stride_order=(2, 1, 0), assumed_align=16)
+    sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if has_sink else None
+    return (q, cache, indices, topk_len, sched, num_splits, out, lse, o_acc, lse_acc, sink, cutlass.Float32(1.0),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options: str = "", *,
+                          with_combine: bool = False):
+    """The compiled sparse FP8 decode split kernel (``with_combine``: split + combine behind one entry)."""
+    schedule.validate()
+    key = ("sparse_decode_fp8", s_q, h_q, bool(has_sink), schedule.kernel_key(), options, with_combine)
+
+    def build():
+        from .sparse_decode_fp8 import SparseDecodeFp8Kernel
+
+        kernel = SparseDecodeFp8Kernel(h_q, s_q, has_sink, schedule)
+        if with_combine:
+            from .combine import CombineKernel
+            from .sparse_step import SparseDecodeStep
+
+            kernel = SparseDecodeStep(kernel, CombineKernel(cutlass.BFloat16, h_q, s_q, has_sink))
+        return cute.compile(kernel, *sparse_decode_signature(s_q, h_q, has_sink), options=compile_options(options))
+
+    what = (("sparse decode step " if with_combine else "sparse decode split kernel ")
+            + f"s_q={s_q} h_q={h_q} sink={bool(has_sink)} kv_stages={schedule.kv_stages} "
+            + f"rows_in_flight={schedule.rows_in_flight}")
+    return cached_compile(key, build, describe=what, persistent=not options)

@@ -25,7 +25,7 @@ All 16-bit tiles use the 128-byte swizzle; K and V share one buffer because the
 K-major (token x feature) and MN-major (feature x token) swizzled layouts place
 every element at the same byte.
 
-Named barriers: see ``BarrierId``.
+Named barriers: ``consumer.BarrierId``.
 
 Output: requests served whole write ``out [b, s_q, h_q, 512]`` (q dtype) and
 ``lse [b, h_q, s_q]`` (natural log) in place (``layouts.py``); pieces of a split request
@@ -35,45 +35,37 @@ write fp32 partials normalised by their own sum, with a base-2 lse, to
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import math
-from typing import Any
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..schedules.dense import DenseDecodeSchedule
+from .consumer import (
+    BLOCK_M,
+    BLOCK_N,
+    D_QK,
+    D_V,
+    HALF_N,
+    HALF_V,
+    LengthMask,
+    OutputTile,
+    SplitKVConsumer,
+    SplitOutputs,
+    WorkSlice,
+    make_consumer_mmas,
+    make_smem_layouts,
+)
 from .layouts import lse_rows, out_rows
 
-D_QK = 576
-D_V = 512
-BLOCK_M = 64  # query rows per CTA: one WGMMA M
-BLOCK_N = 64  # tokens per KV tile
-HALF_N = BLOCK_N // 2  # tokens of S per consumer warpgroup
-HALF_V = D_V // 2  # output columns per consumer warpgroup
-LOG2_E = math.log2(math.e)
 # L2 cache-policy operand of a TMA load marking the lines evict-first (CUTLASS's
 # CacheHintSm90::EVICT_FIRST): each KV tile is read once, so it should not push Q or the
 # block table out of L2.
 L2_EVICT_FIRST = 0x12F0000000000000
-LN_2 = math.log(2.0)
 
 
-class BarrierId(enum.IntEnum):
-    """Named hardware barriers (0 is __syncthreads)."""
-
-    ROW_MAX = 1  # both consumer warpgroups published their partial row max
-    P_READY = 2  # both halves of P are in sP (and out-of-range V rows are zeroed)
-    ROW_SUM = 3  # both consumer warpgroups published their partial row sum
-
-
-class DenseDecodeKernel:
+class DenseDecodeKernel(SplitKVConsumer):
     """Static configuration of one compiled dense decode kernel."""
 
     num_threads = 384
@@ -126,34 +118,8 @@ class DenseDecodeKernel:
         q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
         k = cute.make_tensor(mKCache.iterator, cute.select(mKCache.layout, mode=[1, 3, 2, 0]))
 
-        tiled_mma_qk, mma_qk_first = [
-            sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype,
-                cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-                cutlass.Float32, (1, 1, 1), (BLOCK_M, HALF_N),
-            )
-            for _ in range(2)
-        ]
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype,
-            cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            cutlass.Float32, (1, 1, 1), (BLOCK_M, HALF_V),
-        )
-        k_major = LayoutEnum.ROW_MAJOR  # K-major operand (A or B)
-        mn_major = LayoutEnum.COL_MAJOR
-        sQ_layout = cute.slice_(
-            sm90_utils.make_smem_layout_a(k_major, (BLOCK_M, BLOCK_N, D_QK), self.dtype, 1), (None, None, 0)
-        )
-        sK_layout = sm90_utils.make_smem_layout_b(
-            k_major, (BLOCK_M, BLOCK_N, D_QK), self.dtype, self.kv_stages
-        )
-        # V viewed over the same bytes: N = 576 features (only 512 used), K = 64 tokens, MN-major.
-        sV_layout = sm90_utils.make_smem_layout_b(
-            mn_major, (BLOCK_M, D_QK, BLOCK_N), self.dtype, self.kv_stages
-        )
-        sP_layout = cute.slice_(
-            sm90_utils.make_smem_layout_a(k_major, (BLOCK_M, HALF_V, BLOCK_N), self.dtype, 1), (None, None, 0)
-        )
+        mma_qk_first, tiled_mma_qk, tiled_mma_pv = make_consumer_mmas(self.dtype)
+        sQ_layout, sK_layout, sV_layout, sP_layout = make_smem_layouts(self.dtype, self.kv_stages)
 
         sQ_tile = sQ_layout
         sK_tile = cute.slice_(sK_layout, (None, None, 0))
@@ -319,74 +285,16 @@ class DenseDecodeKernel:
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consumer_view(self, mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg, tid) -> "ConsumerView":
-        """This thread's MMA operands: its warpgroup's 32 tokens of K and 256 columns of V."""
-        mma_qk_first.set(warpgroup.Field.ACCUMULATE, False)
-        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-        thr_qk = tiled_mma_qk.get_slice(tid)
-        thr_pv = tiled_mma_pv.get_slice(tid)
-        sK_half = cute.local_tile(sK, (HALF_N, D_QK, self.kv_stages), (wg, 0, 0))
-        sV_half = cute.local_tile(sV, (HALF_V, BLOCK_N, self.kv_stages), (wg, 0, 0))
-        sP_half = cute.local_tile(sP, (BLOCK_M, HALF_N), (0, wg))
-        acc_s_shape = thr_qk.partition_shape_C((BLOCK_M, HALF_N))
-        return ConsumerView(
-            mma_qk_first=mma_qk_first,
-            mma_qk=tiled_mma_qk,
-            mma_pv=tiled_mma_pv,
-            tSrQ=thr_qk.make_fragment_A(thr_qk.partition_A(sQ)),
-            tSrK=thr_qk.make_fragment_B(thr_qk.partition_B(sK_half)),
-            tOrP=thr_pv.make_fragment_A(thr_pv.partition_A(sP)),
-            tOrV=thr_pv.make_fragment_B(thr_pv.partition_B(sV_half)),
-            tPsP=thr_qk.partition_C(sP_half),
-            tScS=thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, HALF_N))),
-            tOcO=thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, HALF_V))),
-            sV_half=sV_half,
-            acc_s=thr_qk.make_fragment_C(acc_s_shape),
-            acc_s_next=thr_qk.make_fragment_C(acc_s_shape),
-            acc_o=thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, HALF_V))),
-            rP=cute.make_rmem_tensor_like(thr_qk.make_fragment_C(acc_s_shape), self.dtype),
-            wg=wg,
-            tid=tid,
-        )
-
-    @cute.jit
-    def row_state(self, m_tile, tid) -> "RowState":
-        """The two query rows this thread owns in the WGMMA accumulator: row0 and row0 + 8."""
-        row0 = (tid // 32) * 16 + (tid % 32) // 4
-        # Causal: row r (query token r // group) sees keys [0, seqlen - shift).
-        shift = cute.make_rmem_tensor((2,), cutlass.Int32)
-        for i in cutlass.range_constexpr(2):
-            shift[i] = 0
-            if cutlass.const_expr(self.causal):
-                grow = m_tile * BLOCK_M + row0 + 8 * i
-                s_idx = cutlass.min(grow // self.group, self.s_q - 1)
-                shift[i] = self.s_q - 1 - s_idx
-        return RowState(
-            row0=row0,
-            row_max=cute.make_rmem_tensor((2,), cutlass.Float32),
-            row_sum=cute.make_rmem_tensor((2,), cutlass.Float32),
-            shift=shift,
-        )
-
-    @cute.jit
     def consume(self, v, sMax, sSum, q_pipe, kv_pipe, mSeqlens, outs, scale_log2, m_tile, kv_head, work):
         rows = self.row_state(m_tile, v.tid)
-        bars = ConsumerBarriers(
-            row_max=pipeline.NamedBarrier(barrier_id=int(BarrierId.ROW_MAX), num_threads=256),
-            p_ready=pipeline.NamedBarrier(barrier_id=int(BarrierId.P_READY), num_threads=256),
-            row_sum=pipeline.NamedBarrier(barrier_id=int(BarrierId.ROW_SUM), num_threads=256),
-        )
-        acc_s, acc_s_next, acc_o = v.acc_s, v.acc_s_next, v.acc_o
+        bars = self.consumer_barriers()
+        acc_s, acc_s_next = v.acc_s, v.acc_s_next
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             seqlen = mSeqlens[req]
             first, last = work.blocks(req, seqlen)
-            acc_o.fill(0.0)
-            for i in cutlass.range_constexpr(2):
-                rows.row_max[i] = -cutlass.Float32.inf
-                rows.row_sum[i] = 0.0
+            self.start_rows(v, rows)
             q_pipe.consumer_wait(q_state)
             if cutlass.const_expr(self.qk_prefetch):
                 # The next tile's S is issued on the tensor cores before this tile's softmax.
@@ -421,82 +329,21 @@ class DenseDecodeKernel:
                     kv_state.advance()
             q_pipe.consumer_release(q_state)
             q_state.advance()
-            self.epilogue(v, rows, bars, sSum, outs, work, scale_log2, req, m_tile, kv_head)
+            tile = OutputTile(kv_head, m_tile * BLOCK_M, self.rows - m_tile * BLOCK_M)
+            self.epilogue(v, rows, bars, sSum, outs, work, scale_log2, req, tile)
 
     @cute.jit
     def finish_tile(self, v, rows, bars, sMax, seqlen, blk, stage, scale_log2):
         """With S of tile ``blk`` in ``v.acc_s``: softmax, P into sP, O += P V (waits for the tensor cores)."""
-        self.online_softmax(v, rows, bars, sMax, seqlen, blk * BLOCK_N + v.wg * HALF_N, scale_log2)
+        limit = cute.make_rmem_tensor((2,), cutlass.Int32)
+        for i in cutlass.range_constexpr(2):
+            limit[i] = seqlen - rows.shift[i] - (blk * BLOCK_N + v.wg * HALF_N)
+        self.online_softmax(v, rows, bars, sMax, LengthMask(limit), scale_log2)
         # Rows of the last tile past the length may hold NaN, and 0 * NaN = NaN: zero them.
         valid = seqlen - blk * BLOCK_N
         if valid < BLOCK_N:
             self.zero_tail_rows(v.sV_half, stage, valid, v.tid)
-        v.rP.store(v.acc_s.load().to(self.dtype))
-        cute.autovec_copy(v.rP, v.tPsP)
-        cute.arch.fence_view_async_shared()
-        bars.p_ready.arrive_and_wait()
-        warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(v.tOrP, mode=[2])):
-            cute.gemm(v.mma_pv, v.acc_o, v.tOrP[None, None, kb], v.tOrV[None, None, kb, stage], v.acc_o)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-
-    @cute.jit
-    def mma_qk(self, v, acc_s, stage):
-        """Issue S = Q K_half^T over the 576 features (asynchronous: the caller waits).
-
-        ``v.mma_qk_first`` overwrites the accumulator, ``v.mma_qk`` adds to it: two objects with
-        fixed flags, because setting a flag inside staged control flow would leak the value.
-        """
-        warpgroup.fence()
-        cute.gemm(v.mma_qk_first, acc_s, v.tSrQ[None, None, 0], v.tSrK[None, None, 0, stage], acc_s)
-        for kb in cutlass.range_constexpr(1, cute.size(v.tSrQ, mode=[2])):
-            cute.gemm(v.mma_qk, acc_s, v.tSrQ[None, None, kb], v.tSrK[None, None, kb, stage], acc_s)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def online_softmax(self, v, rows, bars, sMax, seqlen, tok0, scale_log2):
-        """Mask, share the row max with the other warpgroup, turn S into P, rescale O and the sums."""
-        acc_s, acc_o, wg = v.acc_s, v.acc_o, v.wg
-        row_max, row_sum, row0 = rows.row_max, rows.row_sum, rows.row0
-        part_max = cute.make_rmem_tensor((2,), cutlass.Float32)
-        for i in cutlass.range_constexpr(2):
-            part_max[i] = -cutlass.Float32.inf
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            r, c = v.tScS[e]
-            i = (e // 2) % 2  # accumulator value e sits in row row0 + 8 * i
-            s = acc_s[e]
-            if tok0 + c >= seqlen - rows.shift[i]:
-                s = -cutlass.Float32.inf
-            acc_s[e] = s
-            part_max[i] = cute.arch.fmax(part_max[i], s)
-        for i in cutlass.range_constexpr(2):
-            part_max[i] = cute.arch.warp_reduction_max(part_max[i], threads_in_group=4)
-            if v.tid % 4 == 0:
-                sMax[row0 + 8 * i, wg] = part_max[i]
-        bars.row_max.arrive_and_wait()
-
-        alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
-        base = cute.make_rmem_tensor((2,), cutlass.Float32)
-        for i in cutlass.range_constexpr(2):
-            other = sMax[row0 + 8 * i, 1 - wg]
-            new_max = cute.arch.fmax(row_max[i], cute.arch.fmax(part_max[i], other))
-            safe = new_max
-            if new_max == -cutlass.Float32.inf:
-                safe = 0.0
-            base[i] = safe * scale_log2
-            alpha[i] = cute.math.exp2(row_max[i] * scale_log2 - base[i], fastmath=True)
-            row_max[i] = new_max
-            row_sum[i] = row_sum[i] * alpha[i]
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            i = (e // 2) % 2
-            p = cute.math.exp2(acc_s[e] * scale_log2 - base[i], fastmath=True)
-            acc_s[e] = p
-            row_sum[i] = row_sum[i] + p
-        # Once the row maxima settle, alpha is 1: skip the 128 multiplies.
-        if cutlass.min(alpha[0], alpha[1]) != 1.0:
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
+        self.mma_pv(v, bars, stage)
 
     @cute.jit
     def zero_tail_rows(self, sV_half, stage, valid, tid):
@@ -506,134 +353,3 @@ class DenseDecodeKernel:
             tok = valid + idx // HALF_V
             col = idx % HALF_V
             sV_half[col, tok, stage] = self.dtype(0.0)
-
-    @cute.jit
-    def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, m_tile, kv_head):
-        """Normalise and write this request's rows: final output, or an fp32 partial."""
-        acc_o, wg, tid, row0 = v.acc_o, v.wg, v.tid, rows.row0
-        row_sum = rows.row_sum
-        for i in cutlass.range_constexpr(2):
-            row_sum[i] = cute.arch.warp_reduction_sum(row_sum[i], threads_in_group=4)
-            if tid % 4 == 0:
-                sSum[row0 + 8 * i, wg] = row_sum[i]
-        bars.row_sum.arrive_and_wait()
-        inv = cute.make_rmem_tensor((2,), cutlass.Float32)
-        lse2 = cute.make_rmem_tensor((2,), cutlass.Float32)
-        for i in cutlass.range_constexpr(2):
-            total = row_sum[i] + sSum[row0 + 8 * i, 1 - wg]
-            inv[i] = 0.0
-            lse2[i] = -cutlass.Float32.inf
-            if total > 0.0:
-                inv[i] = 1.0 / total
-                lse2[i] = rows.row_max[i] * scale_log2 + cute.math.log2(total, fastmath=False)
-        # Both warpgroups read sSum above; the next request's writes come after later barriers.
-
-        n_splits = outs.num_splits[req + 1] - outs.num_splits[req]
-        row_base = m_tile * BLOCK_M
-        col_base = wg * HALF_V
-        if n_splits == 1:
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                r, c = v.tOcO[e]
-                i = 0 if (e // 2) % 2 == 0 else 1
-                if row_base + r < self.rows:
-                    outs.out[req, kv_head, row_base + r, col_base + c] = (acc_o[e] * inv[i]).to(self.dtype)
-            if wg == 0 and tid % 4 == 0:
-                for i in cutlass.range_constexpr(2):
-                    r = row_base + row0 + 8 * i
-                    if r < self.rows:
-                        lse = cutlass.Float32.inf
-                        if lse2[i] != -cutlass.Float32.inf:
-                            lse = lse2[i] * LN_2
-                        outs.lse[req, kv_head, r] = lse
-        else:
-            split = outs.num_splits[req]
-            if req == work.begin_req:
-                split = split + work.begin_split
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                r, c = v.tOcO[e]
-                i = 0 if (e // 2) % 2 == 0 else 1
-                if row_base + r < self.rows:
-                    outs.o_accum[split, kv_head, row_base + r, col_base + c] = acc_o[e] * inv[i]
-            if wg == 0 and tid % 4 == 0:
-                for i in cutlass.range_constexpr(2):
-                    r = row_base + row0 + 8 * i
-                    if r < self.rows:
-                        outs.lse_accum[split, kv_head, r] = lse2[i]
-
-
-# ---------------------------------------------------------------- device-side records
-# Plain containers: their fields are set once and never rebound inside staged control flow
-# (register tensors are updated in place), so the DSL tracer sees through them.
-
-
-@dataclasses.dataclass
-class WorkSlice:
-    """This CTA's share of the batch, from its scheduler record."""
-
-    begin_req: Any
-    end_req: Any
-    begin_block: Any
-    end_block: Any
-    begin_split: Any
-
-    @cute.jit
-    def blocks(self, req, seqlen):
-        """KV tiles [first, last) of request ``req`` that this CTA serves."""
-        first = cutlass.Int32(0)
-        if req == self.begin_req:
-            first = self.begin_block
-        last = (seqlen + BLOCK_N - 1) // BLOCK_N
-        if req == self.end_req:
-            last = self.end_block
-        return first, last
-
-
-@dataclasses.dataclass
-class SplitOutputs:
-    """Where results go: final out/lse (FlashMLA layouts seen per KV head) or fp32 partials."""
-
-    num_splits: Any
-    out: Any
-    lse: Any
-    o_accum: Any
-    lse_accum: Any
-
-
-@dataclasses.dataclass
-class ConsumerView:
-    """One consumer thread's MMA operands, accumulators and accumulator coordinates."""
-
-    mma_qk_first: Any
-    mma_qk: Any
-    mma_pv: Any
-    tSrQ: Any
-    tSrK: Any
-    tOrP: Any
-    tOrV: Any
-    tPsP: Any
-    tScS: Any
-    tOcO: Any
-    sV_half: Any
-    acc_s: Any
-    acc_s_next: Any
-    acc_o: Any
-    rP: Any
-    wg: Any
-    tid: Any
-
-
-@dataclasses.dataclass
-class RowState:
-    """The thread's two query rows (row0, row0 + 8): running max and sum, causal shift."""
-
-    row0: Any
-    row_max: Any
-    row_sum: Any
-    shift: Any
-
-
-@dataclasses.dataclass
-class ConsumerBarriers:
-    row_max: Any
-    p_ready: Any
-    row_sum: Any

@@ -25,4 +25,4 @@ class DenseDecodeStep:
     ):
         self.split(mQ, mKCache, mBlockTable, mSeqlens, mSched, mNumSplits, mOut, mLse, mOAccum, mLseAccum,
                    scale_log2, stream)
-        self.combine(mNumSplits, mOAccum, mLseAccum, mOut, mLse, stream)
+        self.combine(mNumSplits, mOAccum, mLseAccum, mOut, mLse, None, stream)

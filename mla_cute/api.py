@@ -15,40 +15,47 @@ from .backends import cute, reference
 from .fp8 import D_QK, dequantize_kv_cache
 from .schedules import (
     DEFAULT_DENSE_SCHEDULE,
+    DEFAULT_SPARSE_SCHEDULE,
     DenseDecodeSchedule,
+    SparseDecodeSchedule,
     num_sm_parts_for,
     plan_splits,
     sparse_lengths,
     sparse_num_sm_parts_for,
 )
 
-_schedule_override: contextvars.ContextVar[Optional[DenseDecodeSchedule]] = contextvars.ContextVar(
-    "mla_cute_dense_schedule", default=None
-)
+_SCHEDULE_TYPES = (DenseDecodeSchedule, SparseDecodeSchedule)
+_DEFAULTS = {DenseDecodeSchedule: DEFAULT_DENSE_SCHEDULE, SparseDecodeSchedule: DEFAULT_SPARSE_SCHEDULE}
+_schedule_override: contextvars.ContextVar[dict] = contextvars.ContextVar("mla_cute_schedules", default={})
 
 
 @contextlib.contextmanager
-def use_schedule(schedule: DenseDecodeSchedule):
-    """Run the dense decode calls inside the block with ``schedule`` (validated now, compiled on first use)::
+def use_schedule(schedule):
+    """Run the calls inside the block with ``schedule`` (validated now, compiled on first use).
+
+    A ``DenseDecodeSchedule`` applies to dense decode, a ``SparseDecodeSchedule`` to sparse
+    FP8 decode; blocks nest, one schedule of each kind at a time::
 
         with mla_cute.use_schedule(DenseDecodeSchedule(qk_prefetch=False)):
             out, lse = mla_cute.flash_mla_with_kvcache(...)
     """
-    if not isinstance(schedule, DenseDecodeSchedule):
-        raise TypeError(f"schedule must be a DenseDecodeSchedule, got {type(schedule).__name__}")
+    if not isinstance(schedule, _SCHEDULE_TYPES):
+        raise TypeError(f"schedule must be a DenseDecodeSchedule or SparseDecodeSchedule, got {type(schedule).__name__}")
     schedule.validate()
-    token = _schedule_override.set(schedule)
+    token = _schedule_override.set({**_schedule_override.get(), type(schedule): schedule})
     try:
         yield schedule
     finally:
         _schedule_override.reset(token)
 
 
-def _resolve_schedule(schedule: Optional[DenseDecodeSchedule]) -> DenseDecodeSchedule:
+def _resolve_schedule(schedule, kind: type):
+    """The schedule of this call: the argument, else the innermost ``use_schedule`` of that kind, else the default."""
     if schedule is None:
-        return _schedule_override.get() or DEFAULT_DENSE_SCHEDULE
-    if not isinstance(schedule, DenseDecodeSchedule):
-        raise TypeError(f"schedule must be a DenseDecodeSchedule, got {type(schedule).__name__}")
+        return _schedule_override.get().get(kind) or _DEFAULTS[kind]
+    if not isinstance(schedule, kind):
+        what = "dense decode" if kind is DenseDecodeSchedule else "sparse decode (indices given)"
+        raise TypeError(f"schedule must be a {kind.__name__} for {what}, got {type(schedule).__name__}")
     return schedule
 
 
@@ -219,7 +226,7 @@ def flash_mla_with_kvcache(
             raise ValueError("block_table and cache_seqlens are required for dense decode (indices=None)")
         V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache)
         kind = select_backend(q.device, backend)
-        sched = _resolve_schedule(schedule)
+        sched = _resolve_schedule(schedule, DenseDecodeSchedule)
         if kind == "cute":
             cute.check_supported(k_cache, is_fp8_kvcache)
         config = FlashMLASchedMeta.Config(
@@ -247,19 +254,23 @@ def flash_mla_with_kvcache(
         V.check_tensor("cache_seqlens", cache_seqlens, dim=1, dtypes=(torch.int32,))
     V.check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal)
     kind = select_backend(q.device, backend)
-    if schedule is not None:
-        raise ValueError("schedule applies to dense decode only (got it with indices)")
+    sched = _resolve_schedule(schedule, SparseDecodeSchedule)
+    if kind == "cute":
+        cute.check_sparse_supported(k_cache)
     config = FlashMLASchedMeta.Config(
         q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
         False, True, indices.shape[-1],
     )
-    if _check_metadata(tile_scheduler_metadata, config, topk_length):
+    first = _check_metadata(tile_scheduler_metadata, config, topk_length)
+    if first:
         _bind_metadata(tile_scheduler_metadata, config, topk_length)
-        if kind == "reference":
-            _fill_sparse_reference_metadata(tile_scheduler_metadata, q, indices.shape[-1], topk_length)
     if kind == "reference":
+        if first:
+            _fill_sparse_reference_metadata(tile_scheduler_metadata, q, indices.shape[-1], topk_length, sched)
         return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v)
-    raise NotImplementedError("sparse FP8 decode has no 'cute' kernel yet; pass backend='reference'")
+    return cute.sparse_decode(
+        q, k_cache, indices, topk_length, attn_sink, softmax_scale, tile_scheduler_metadata, first, sched,
+    )
 
 
 def flash_mla_sparse_fwd(
@@ -300,34 +311,49 @@ def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens,
     meta.num_splits = splits.to(q.device)
 
 
-def _fill_sparse_reference_metadata(meta: FlashMLASchedMeta, q, topk: int, topk_length) -> None:
-    """The split plan FlashMLA's sparse decode makes (64-token blocks over topk, fixed cost 5)."""
+def _fill_sparse_reference_metadata(meta: FlashMLASchedMeta, q, topk: int, topk_length, schedule) -> None:
+    """The split plan of the sparse kernel (FlashMLA's: 64-token blocks over topk, fixed cost 5)."""
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # planning on the host needs the lengths' values
-    parts = sparse_num_sm_parts_for(num_sms(q.device), q.shape[1], q.shape[2])
-    records, splits = plan_splits(sparse_lengths(topk, topk_length, q.shape[0]), parts, 64, 5)
+    parts = schedule.num_sm_parts or sparse_num_sm_parts_for(num_sms(q.device), q.shape[1], q.shape[2])
+    records, splits = plan_splits(sparse_lengths(topk, topk_length, q.shape[0]), parts, 64, schedule.split_fixed_cost)
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
 
 
-def precompile(configs: Iterable[dict], *, schedule: Optional[DenseDecodeSchedule] = None) -> int:
-    """Compile (or load from the disk cache) the dense decode kernels for each configuration.
+def precompile(configs: Iterable[dict], *, schedule=None) -> int:
+    """Compile (or load from the disk cache) the decode kernels for each configuration.
 
-    Each configuration is a dict with ``dtype`` (torch.bfloat16 / torch.float16), ``s_q``,
-    ``h_q``, ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64) and
-    ``schedule``.  Needs no GPU (set ``CUTE_DSL_ARCH=sm_90a`` before importing cutlass on a
-    machine without one).  Returns the number of configurations prepared; each cold compile
-    logs a line with its configuration.
+    Dense decode: a dict with ``dtype`` (torch.bfloat16 / torch.float16), ``s_q``, ``h_q``,
+    ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64) and ``schedule``.
+    Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
+    ``attn_sink`` (False: whether calls pass one) and ``schedule``.
+    ``schedule`` (keyword) is the default for configurations of its kind.  Needs no GPU (set
+    ``CUTE_DSL_ARCH=sm_90a`` before importing cutlass on a machine without one).  Returns the
+    number of configurations prepared; each cold compile logs a line with its configuration.
     """
     count = 0
     for i, cfg in enumerate(configs):
         cfg = dict(cfg)
-        missing = {"dtype", "s_q", "h_q", "h_kv"} - cfg.keys()
+        sparse = bool(cfg.pop("sparse", False))
+        required = {"s_q", "h_q"} if sparse else {"dtype", "s_q", "h_q", "h_kv"}
+        allowed = required | ({"attn_sink", "schedule"} if sparse else {"causal", "page_block_size", "schedule"})
+        missing = required - cfg.keys()
         if missing:
             raise ValueError(f"precompile config {i} lacks {sorted(missing)}: {cfg}")
-        extra = cfg.keys() - {"dtype", "s_q", "h_q", "h_kv", "causal", "page_block_size", "schedule"}
+        extra = cfg.keys() - allowed
         if extra:
             raise ValueError(f"precompile config {i} has unknown keys {sorted(extra)}")
+        for key in ("s_q", "h_q") + (() if sparse else ("h_kv",)):
+            if not isinstance(cfg[key], int) or cfg[key] < 1:
+                raise ValueError(f"precompile config {i}: {key} must be an int >= 1, got {cfg[key]!r}")
+        kind = SparseDecodeSchedule if sparse else DenseDecodeSchedule
+        default = schedule if isinstance(schedule, kind) else None
+        sched = _resolve_schedule(cfg.get("schedule", default), kind)
+        if sparse:
+            cute.precompile_sparse(cfg["s_q"], cfg["h_q"], bool(cfg.get("attn_sink", False)), sched)
+            count += 1
+            continue
         if cfg["dtype"] not in V.HALF_DTYPES:
             raise TypeError(f"precompile config {i}: dtype must be torch.bfloat16 or torch.float16, got {cfg['dtype']}")
         if cfg["h_q"] % cfg["h_kv"] != 0:
@@ -335,7 +361,6 @@ def precompile(configs: Iterable[dict], *, schedule: Optional[DenseDecodeSchedul
         page = cfg.get("page_block_size", 64)
         if page % 64 != 0:
             raise NotImplementedError(f"precompile config {i}: page_block_size {page} is not a multiple of 64")
-        sched = _resolve_schedule(cfg.get("schedule", schedule))
         cute.precompile_dense(cfg["dtype"], cfg["s_q"], cfg["h_q"], cfg["h_kv"], bool(cfg.get("causal", False)), page,
                               sched)
         count += 1

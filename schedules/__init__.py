@@ -7,6 +7,7 @@ from .dense import (
     SMEM_CAPACITY,
     DenseDecodeSchedule,
 )
+from .sparse import DEFAULT_SPARSE_SCHEDULE, SparseDecodeSchedule
 from .planner import RECORD_FIELDS, RECORD_SIZE, num_sm_parts_for, plan_splits, sparse_lengths, sparse_num_sm_parts_for
 
 __all__ = [
@@ -15,6 +16,8 @@ __all__ = [
     "PREFETCH_DENSE_SCHEDULE",
     "SMEM_CAPACITY",
     "DenseDecodeSchedule",
+    "DEFAULT_SPARSE_SCHEDULE",
+    "SparseDecodeSchedule",
     "RECORD_FIELDS",
     "RECORD_SIZE",
     "num_sm_parts_for",

@@ -12,8 +12,10 @@ import math
 import torch
 
 from ..backend import num_sms
-from ..schedules import num_sm_parts_for
+from ..fp8 import FP8_BYTES_PER_TOKEN
+from ..schedules import num_sm_parts_for, sparse_num_sm_parts_for
 from ..schedules.dense import DenseDecodeSchedule
+from ..schedules.sparse import SparseDecodeSchedule
 
 _LOG2_E = math.log2(math.e)
 
@@ -94,4 +96,81 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
 
     schedule.validate()
     compile_dense_decode(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, schedule, with_combine=True)
+    compile_scheduler(schedule.split_fixed_cost)
+
+
+# ---------------------------------------------------------------- sparse FP8 decode
+def check_sparse_supported(k_cache: torch.Tensor) -> None:
+    """The sparse kernel reads 656-byte rows with 16-byte loads: rows packed within a page, 16-byte aligned."""
+    if k_cache.stride(3) != 1 or k_cache.stride(1) != FP8_BYTES_PER_TOKEN:
+        raise NotImplementedError(
+            f"k_cache: the 'cute' sparse kernel needs the {FP8_BYTES_PER_TOKEN}-byte rows of a page packed "
+            f"(strides [*, {FP8_BYTES_PER_TOKEN}, *, 1]), got strides {list(k_cache.stride())}"
+        )
+    if k_cache.data_ptr() % 16 != 0 or k_cache.stride(0) % 16 != 0:
+        raise NotImplementedError("k_cache: the 'cute' sparse kernel needs a 16-byte aligned base and block stride")
+
+
+class SparsePlan:
+    """What a metadata object holds for the sparse cute kernel: compiled step, lengths, workspace."""
+
+    __slots__ = ("schedule", "step", "topk_len", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink")
+
+    def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta):
+        from ..kernels.build import compile_scheduler, compile_sparse_decode
+
+        b, s_q, h_q, _ = q.shape
+        self.schedule, self.b, self.s_q, self.h_q, self.has_sink = schedule, b, s_q, h_q, has_sink
+        parts = schedule.num_sm_parts or sparse_num_sm_parts_for(num_sms(q.device), s_q, h_q)
+        self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True)
+        scheduler = compile_scheduler(schedule.split_fixed_cost)
+        # Without topk_length every request has topk tokens; the kernel reads this tensor then.
+        self.topk_len = None if topk_length is not None else torch.full((b,), topk, dtype=torch.int32, device=q.device)
+        lengths = (topk_length if topk_length is not None else self.topk_len).clamp(1, topk)
+        sched = torch.empty(parts, 8, dtype=torch.int32, device=q.device)
+        splits = torch.empty(b + 1, dtype=torch.int32, device=q.device)
+        scheduler(lengths, sched, splits)
+        meta.tile_scheduler_metadata, meta.num_splits = sched, splits
+        self.o_accum = torch.empty(b + parts, 1, s_q * h_q, 512, dtype=torch.float32, device=q.device)
+        self.lse_accum = torch.empty(b + parts, 1, s_q * h_q, dtype=torch.float32, device=q.device)
+
+
+def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
+                  schedule: SparseDecodeSchedule):
+    plan = meta._state.get("sparse")
+    has_sink = attn_sink is not None
+    if first or plan is None:
+        schedule.validate()
+        plan = SparsePlan(q, indices.shape[-1], topk_length, has_sink, schedule, meta)
+        meta._state["sparse"] = plan
+    elif plan.schedule != schedule:
+        raise ValueError(
+            f"tile_scheduler_metadata was computed with schedule {plan.schedule}, this call asks for {schedule}; "
+            "call get_mla_metadata() again to change the schedule"
+        )
+    elif plan.has_sink != has_sink:
+        raise ValueError(
+            "attn_sink must be given on every call with this tile_scheduler_metadata or on none "
+            f"(first call: {'given' if plan.has_sink else 'None'})"
+        )
+    out = torch.empty(plan.b, plan.s_q, plan.h_q, 512, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.b, plan.h_q, plan.s_q, dtype=torch.float32, device=q.device)
+    cache = k_cache.view(torch.uint8).view(torch.int32)[:, :, 0]
+    plan.step(
+        q if _aligned(q) else q.contiguous(),
+        cache,
+        indices if indices.stride(-1) == 1 else indices.contiguous(),
+        topk_length if topk_length is not None else plan.topk_len,
+        meta.tile_scheduler_metadata, meta.num_splits, out, lse, plan.o_accum, plan.lse_accum,
+        attn_sink.contiguous() if has_sink else None,
+        softmax_scale * _LOG2_E,
+    )
+    return out, lse
+
+
+def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule) -> None:
+    from ..kernels.build import compile_scheduler, compile_sparse_decode
+
+    schedule.validate()
+    compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True)
     compile_scheduler(schedule.split_fixed_cost)

@@ -1,0 +1,388 @@
+"""The split-KV consumer shared by the decode kernels: two warpgroups, one 64-row M tile.
+
+Per 64-token KV tile in shared memory (K-major 64 x 576; V is the MN-major view of its
+first 512 columns): consumer warpgroup c computes S_c = Q K[32c : 32c+32]^T (64 x 32,
+WGMMA), the two share the row max through shared memory (``BarrierId.ROW_MAX``), write
+P_c (16-bit) into columns 32c..32c+31 of sP, and after ``BarrierId.P_READY`` compute
+O_c = O_c * alpha + P V[:, 256c : 256c+256] (64 x 256 fp32 accumulator).  The halves of
+the output never meet: each warpgroup writes its 256 columns.
+
+What differs between kernels is where the tiles come from (the producer) and which scores
+are masked: a kernel passes a mask record (``LengthMask``, or the sparse kernel's bias
+mask) to ``online_softmax``.  The epilogue writes final rows (FlashMLA's layouts, through
+``layouts.py``) or fp32 partials with a base-2 lse for the combine kernel, optionally
+scaled by an attention sink.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+D_QK = 576
+D_V = 512
+BLOCK_M = 64  # query rows per CTA: one WGMMA M
+BLOCK_N = 64  # tokens per KV tile
+HALF_N = BLOCK_N // 2  # tokens of S per consumer warpgroup
+HALF_V = D_V // 2  # output columns per consumer warpgroup
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+class BarrierId(enum.IntEnum):
+    """Named hardware barriers of the consumer warpgroups (0 is __syncthreads)."""
+
+    ROW_MAX = 1  # both consumer warpgroups published their partial row max
+    P_READY = 2  # both halves of P are in sP (and out-of-range V rows are zeroed)
+    ROW_SUM = 3  # both consumer warpgroups published their partial row sum
+
+
+def make_consumer_mmas(dtype):
+    """(QK^T overwriting, QK^T accumulating, PV) tiled MMAs of one consumer warpgroup."""
+    mma_qk_first, mma_qk = [
+        sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype,
+            cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (BLOCK_M, HALF_N),
+        )
+        for _ in range(2)
+    ]
+    mma_pv = sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype,
+        cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+        cutlass.Float32, (1, 1, 1), (BLOCK_M, HALF_V),
+    )
+    return mma_qk_first, mma_qk, mma_pv
+
+
+def make_smem_layouts(dtype, kv_stages: int):
+    """Swizzled layouts (sQ, sK, sV, sP): sQ 64 x 576; sK kv_stages x (64 tokens x 576), K-major;
+    sV the MN-major view of the same bytes (576 features x 64 tokens, only 512 used); sP 64 x 64."""
+    k_major = LayoutEnum.ROW_MAJOR  # K-major operand (A or B)
+    mn_major = LayoutEnum.COL_MAJOR
+    sQ = cute.slice_(sm90_utils.make_smem_layout_a(k_major, (BLOCK_M, BLOCK_N, D_QK), dtype, 1), (None, None, 0))
+    sK = sm90_utils.make_smem_layout_b(k_major, (BLOCK_M, BLOCK_N, D_QK), dtype, kv_stages)
+    sV = sm90_utils.make_smem_layout_b(mn_major, (BLOCK_M, D_QK, BLOCK_N), dtype, kv_stages)
+    sP = cute.slice_(sm90_utils.make_smem_layout_a(k_major, (BLOCK_M, HALF_V, BLOCK_N), dtype, 1), (None, None, 0))
+    return sQ, sK, sV, sP
+
+
+class SplitKVConsumer:
+    """Consumer methods; a kernel class sets ``dtype``, ``kv_stages``, ``causal``, ``group``, ``s_q``."""
+
+    @cute.jit
+    def consumer_view(self, mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg, tid) -> "ConsumerView":
+        """This thread's MMA operands: its warpgroup's 32 tokens of K and 256 columns of V."""
+        mma_qk_first.set(warpgroup.Field.ACCUMULATE, False)
+        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        thr_qk = tiled_mma_qk.get_slice(tid)
+        thr_pv = tiled_mma_pv.get_slice(tid)
+        sK_half = cute.local_tile(sK, (HALF_N, D_QK, self.kv_stages), (wg, 0, 0))
+        sV_half = cute.local_tile(sV, (HALF_V, BLOCK_N, self.kv_stages), (wg, 0, 0))
+        sP_half = cute.local_tile(sP, (BLOCK_M, HALF_N), (0, wg))
+        acc_s_shape = thr_qk.partition_shape_C((BLOCK_M, HALF_N))
+        return ConsumerView(
+            mma_qk_first=mma_qk_first,
+            mma_qk=tiled_mma_qk,
+            mma_pv=tiled_mma_pv,
+            tSrQ=thr_qk.make_fragment_A(thr_qk.partition_A(sQ)),
+            tSrK=thr_qk.make_fragment_B(thr_qk.partition_B(sK_half)),
+            tOrP=thr_pv.make_fragment_A(thr_pv.partition_A(sP)),
+            tOrV=thr_pv.make_fragment_B(thr_pv.partition_B(sV_half)),
+            tPsP=thr_qk.partition_C(sP_half),
+            tScS=thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, HALF_N))),
+            tOcO=thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, HALF_V))),
+            sV_half=sV_half,
+            acc_s=thr_qk.make_fragment_C(acc_s_shape),
+            acc_s_next=thr_qk.make_fragment_C(acc_s_shape),
+            acc_o=thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, HALF_V))),
+            rP=cute.make_rmem_tensor_like(thr_qk.make_fragment_C(acc_s_shape), self.dtype),
+            wg=wg,
+            tid=tid,
+        )
+
+    @cute.jit
+    def consumer_barriers(self) -> "ConsumerBarriers":
+        return ConsumerBarriers(
+            row_max=pipeline.NamedBarrier(barrier_id=int(BarrierId.ROW_MAX), num_threads=256),
+            p_ready=pipeline.NamedBarrier(barrier_id=int(BarrierId.P_READY), num_threads=256),
+            row_sum=pipeline.NamedBarrier(barrier_id=int(BarrierId.ROW_SUM), num_threads=256),
+        )
+
+    @cute.jit
+    def row_state(self, m_tile, tid) -> "RowState":
+        """The two query rows this thread owns in the WGMMA accumulator: row0 and row0 + 8."""
+        row0 = (tid // 32) * 16 + (tid % 32) // 4
+        # Causal: row r (query token r // group) sees keys [0, seqlen - shift).
+        shift = cute.make_rmem_tensor((2,), cutlass.Int32)
+        for i in cutlass.range_constexpr(2):
+            shift[i] = 0
+            if cutlass.const_expr(self.causal):
+                grow = m_tile * BLOCK_M + row0 + 8 * i
+                s_idx = cutlass.min(grow // self.group, self.s_q - 1)
+                shift[i] = self.s_q - 1 - s_idx
+        return RowState(
+            row0=row0,
+            row_max=cute.make_rmem_tensor((2,), cutlass.Float32),
+            row_sum=cute.make_rmem_tensor((2,), cutlass.Float32),
+            shift=shift,
+        )
+
+    @cute.jit
+    def start_rows(self, v, rows):
+        """Reset the accumulator and the running max and sum for a new request."""
+        v.acc_o.fill(0.0)
+        for i in cutlass.range_constexpr(2):
+            rows.row_max[i] = -cutlass.Float32.inf
+            rows.row_sum[i] = 0.0
+
+    @cute.jit
+    def mma_qk(self, v, acc_s, stage):
+        """Issue S = Q K_half^T over the 576 features (asynchronous: the caller waits).
+
+        ``v.mma_qk_first`` overwrites the accumulator, ``v.mma_qk`` adds to it: two objects with
+        fixed flags, because setting a flag inside staged control flow would leak the value.
+        """
+        warpgroup.fence()
+        cute.gemm(v.mma_qk_first, acc_s, v.tSrQ[None, None, 0], v.tSrK[None, None, 0, stage], acc_s)
+        for kb in cutlass.range_constexpr(1, cute.size(v.tSrQ, mode=[2])):
+            cute.gemm(v.mma_qk, acc_s, v.tSrQ[None, None, kb], v.tSrK[None, None, kb, stage], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def online_softmax(self, v, rows, bars, sMax, mask, scale_log2):
+        """Mask, share the row max with the other warpgroup, turn S into P, rescale O and the sums."""
+        acc_s, acc_o, wg = v.acc_s, v.acc_o, v.wg
+        row_max, row_sum, row0 = rows.row_max, rows.row_sum, rows.row0
+        part_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for i in cutlass.range_constexpr(2):
+            part_max[i] = -cutlass.Float32.inf
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            r, c = v.tScS[e]
+            i = (e // 2) % 2  # accumulator value e sits in row row0 + 8 * i
+            s = mask.apply(acc_s[e], c, i)
+            acc_s[e] = s
+            part_max[i] = cute.arch.fmax(part_max[i], s)
+        for i in cutlass.range_constexpr(2):
+            part_max[i] = cute.arch.warp_reduction_max(part_max[i], threads_in_group=4)
+            if v.tid % 4 == 0:
+                sMax[row0 + 8 * i, wg] = part_max[i]
+        bars.row_max.arrive_and_wait()
+
+        alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
+        base = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for i in cutlass.range_constexpr(2):
+            other = sMax[row0 + 8 * i, 1 - wg]
+            new_max = cute.arch.fmax(row_max[i], cute.arch.fmax(part_max[i], other))
+            safe = new_max
+            if new_max == -cutlass.Float32.inf:
+                safe = 0.0
+            base[i] = safe * scale_log2
+            alpha[i] = cute.math.exp2(row_max[i] * scale_log2 - base[i], fastmath=True)
+            row_max[i] = new_max
+            row_sum[i] = row_sum[i] * alpha[i]
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            i = (e // 2) % 2
+            p = cute.math.exp2(acc_s[e] * scale_log2 - base[i], fastmath=True)
+            acc_s[e] = p
+            row_sum[i] = row_sum[i] + p
+        # Once the row maxima settle, alpha is 1: skip the 128 multiplies.
+        if cutlass.min(alpha[0], alpha[1]) != 1.0:
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
+
+    @cute.jit
+    def mma_pv(self, v, bars, stage):
+        """P (in ``v.acc_s``) into sP, then O += P V over the stage (waits for the tensor cores)."""
+        v.rP.store(v.acc_s.load().to(self.dtype))
+        cute.autovec_copy(v.rP, v.tPsP)
+        cute.arch.fence_view_async_shared()
+        bars.p_ready.arrive_and_wait()
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(v.tOrP, mode=[2])):
+            cute.gemm(v.mma_pv, v.acc_o, v.tOrP[None, None, kb], v.tOrV[None, None, kb, stage], v.acc_o)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, tile):
+        """Normalise and write this request's rows of ``tile``: final output, or an fp32 partial."""
+        acc_o, wg, tid, row0 = v.acc_o, v.wg, v.tid, rows.row0
+        row_sum = rows.row_sum
+        for i in cutlass.range_constexpr(2):
+            row_sum[i] = cute.arch.warp_reduction_sum(row_sum[i], threads_in_group=4)
+            if tid % 4 == 0:
+                sSum[row0 + 8 * i, wg] = row_sum[i]
+        bars.row_sum.arrive_and_wait()
+        inv = cute.make_rmem_tensor((2,), cutlass.Float32)
+        lse2 = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for i in cutlass.range_constexpr(2):
+            total = row_sum[i] + sSum[row0 + 8 * i, 1 - wg]
+            inv[i] = 0.0
+            lse2[i] = -cutlass.Float32.inf
+            if total > 0.0:
+                inv[i] = 1.0 / total
+                lse2[i] = rows.row_max[i] * scale_log2 + cute.math.log2(total, fastmath=False)
+        # Both warpgroups read sSum above; the next request's writes come after later barriers.
+
+        n_splits = outs.num_splits[req + 1] - outs.num_splits[req]
+        col_base = wg * HALF_V
+        if n_splits == 1:
+            if cutlass.const_expr(outs.sink is not None):
+                # The sink joins the softmax denominator only: out *= 2^lse2 / (2^lse2 + 2^sink2).
+                for i in cutlass.range_constexpr(2):
+                    if row0 + 8 * i < tile.row_count:
+                        sink2 = outs.sink[tile.head_base + row0 + 8 * i] * LOG2_E
+                        inv[i] = inv[i] * sink_factor(sink2, lse2[i])
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                r, c = v.tOcO[e]
+                i = 0 if (e // 2) % 2 == 0 else 1
+                if r < tile.row_count:
+                    outs.out[req, tile.kv_head, tile.row_base + r, col_base + c] = (acc_o[e] * inv[i]).to(self.dtype)
+            if wg == 0 and tid % 4 == 0:
+                for i in cutlass.range_constexpr(2):
+                    r = row0 + 8 * i
+                    if r < tile.row_count:
+                        lse = cutlass.Float32.inf
+                        if lse2[i] != -cutlass.Float32.inf:
+                            lse = lse2[i] * LN_2
+                        outs.lse[req, tile.kv_head, tile.row_base + r] = lse
+        else:
+            split = outs.num_splits[req]
+            if req == work.begin_req:
+                split = split + work.begin_split
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                r, c = v.tOcO[e]
+                i = 0 if (e // 2) % 2 == 0 else 1
+                if r < tile.row_count:
+                    outs.o_accum[split, tile.kv_head, tile.row_base + r, col_base + c] = acc_o[e] * inv[i]
+            if wg == 0 and tid % 4 == 0:
+                for i in cutlass.range_constexpr(2):
+                    r = row0 + 8 * i
+                    if r < tile.row_count:
+                        outs.lse_accum[split, tile.kv_head, tile.row_base + r] = lse2[i]
+
+
+@cute.jit
+def sink_factor(sink2, lse2):
+    """exp2(lse2) / (exp2(lse2) + exp2(sink2)); 0 when nothing was attended (lse2 infinite)."""
+    f = cutlass.Float32(0.0)
+    if lse2 > -cutlass.Float32.inf and lse2 < cutlass.Float32.inf:
+        f = 1.0 / (1.0 + cute.math.exp2(sink2 - lse2, fastmath=False))
+    return f
+
+
+# ---------------------------------------------------------------- device-side records
+# Plain containers: their fields are set once and never rebound inside staged control flow
+# (register tensors are updated in place), so the DSL tracer sees through them.
+
+
+@dataclasses.dataclass
+class WorkSlice:
+    """This CTA's share of the batch, from its scheduler record."""
+
+    begin_req: Any
+    end_req: Any
+    begin_block: Any
+    end_block: Any
+    begin_split: Any
+
+    @cute.jit
+    def blocks(self, req, seqlen):
+        """KV tiles [first, last) of request ``req`` that this CTA serves."""
+        first = cutlass.Int32(0)
+        if req == self.begin_req:
+            first = self.begin_block
+        last = (seqlen + BLOCK_N - 1) // BLOCK_N
+        if req == self.end_req:
+            last = self.end_block
+        return first, last
+
+
+@dataclasses.dataclass
+class SplitOutputs:
+    """Where results go: final out/lse (FlashMLA layouts seen per KV head) or fp32 partials.
+
+    ``sink``: the attention sink per head (fp32), or None.
+    """
+
+    num_splits: Any
+    out: Any
+    lse: Any
+    o_accum: Any
+    lse_accum: Any
+    sink: Any = None
+
+
+@dataclasses.dataclass
+class OutputTile:
+    """The CTA's rows in the output views: ``row_base + r`` for ``r < row_count``; head of r for
+    the sink: ``head_base + r``."""
+
+    kv_head: Any
+    row_base: Any
+    row_count: Any
+    head_base: Any = 0
+
+
+@dataclasses.dataclass
+class LengthMask:
+    """Keys at or past ``limit[i]`` (relative to the warpgroup's first token) are masked in row i."""
+
+    limit: Any
+
+    @cute.jit
+    def apply(self, s, c, i):
+        if c >= self.limit[i]:
+            s = -cutlass.Float32.inf
+        return s
+
+
+@dataclasses.dataclass
+class ConsumerView:
+    """One consumer thread's MMA operands, accumulators and accumulator coordinates."""
+
+    mma_qk_first: Any
+    mma_qk: Any
+    mma_pv: Any
+    tSrQ: Any
+    tSrK: Any
+    tOrP: Any
+    tOrV: Any
+    tPsP: Any
+    tScS: Any
+    tOcO: Any
+    sV_half: Any
+    acc_s: Any
+    acc_s_next: Any
+    acc_o: Any
+    rP: Any
+    wg: Any
+    tid: Any
+
+
+@dataclasses.dataclass
+class RowState:
+    """The thread's two query rows (row0, row0 + 8): running max and sum, causal shift."""
+
+    row0: Any
+    row_max: Any
+    row_sum: Any
+    shift: Any
+
+
+@dataclasses.dataclass
+class ConsumerBarriers:
+    row_max: Any
+    p_ready: Any
+    row_sum: Any

@@ -1,0 +1,357 @@
+"""Sparse MLA decode over the 656-byte FP8 cache, split-KV, on Hopper (SM90a).
+
+Each query token attends to the ``topk`` cache rows its ``indices`` name.  One CTA serves
+one (SM part, query token s, 64-head tile); its part of the batch comes from the split-KV
+scheduler record over the requests' ``topk_length`` (64-token blocks), as in dense decode.
+
+Warpgroup roles (384 threads):
+  WG0      producer (all 128 threads).  Warp 0 also issues the Q tile's TMA copy
+           (64 heads x 576 of token s, once per request).  Per 64-token tile each thread
+           gathers 4 token rows: thread t reads 16-byte piece ``t % 8`` of each 128-byte
+           segment of row ``16 k + t / 8`` (coalesced 128-byte reads, 6 per row: 4 latent,
+           the scales, 1 RoPE), dequantizes fp8 x scale to bf16 and stores the row into
+           the swizzled K tile.  An invalid token (index -1 or outside the cache, or past
+           ``topk_length``) is not read: its row is written as zeros and its score bias is
+           -inf.  ``rows_in_flight`` rows are loaded before the first is converted.
+  WG1, WG2 consumers (``consumer.SplitKVConsumer``): QK^T, softmax with the bias mask,
+           PV, epilogue with the attention sink.
+
+Shared-memory plan (bytes):
+  sQ     64 x 576 bf16                    73 728
+  sKV    kv_stages x 64 x 576 bf16        73 728 each (V is the first 512 columns of K)
+  sP     64 x 64 bf16                      8 192
+  sMax, sSum  [2][64] fp32                 1 024
+  sBias  kv_stages x 64 fp32 (0 or -inf)     256 each
+  mbarriers: Q full/empty (TMA), KV full (128 producer arrivals) / empty (256 consumer
+  arrivals) per stage.
+
+Named barriers: ``consumer.BarrierId`` (consumers only; the producer syncs on mbarriers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+
+from ..schedules.sparse import SparseDecodeSchedule
+from .consumer import (
+    BLOCK_M,
+    BLOCK_N,
+    D_QK,
+    D_V,
+    HALF_N,
+    OutputTile,
+    SplitKVConsumer,
+    SplitOutputs,
+    WorkSlice,
+    make_consumer_mmas,
+    make_smem_layouts,
+)
+from .layouts import lse_rows, out_rows
+
+ROW_BYTES = 656  # 512 fp8 + 4 fp32 scales + 64 bf16
+SCALE_OFFSET = D_V  # byte offset of the scales in a row
+ROPE_OFFSET = D_V + 16  # byte offset of the RoPE values
+PIECE = 16  # bytes per load
+WORDS = PIECE // 4  # int32 words per load
+LANES_PER_ROW = 8  # threads sharing one row: 8 x 16 B = one 128-byte segment per load
+ROWS_PER_ROUND = 128 // LANES_PER_ROW  # 16 rows per pass of the producer warpgroup
+ROUNDS = BLOCK_N // ROWS_PER_ROUND  # 4 rows per thread per tile
+LATENT_PIECES = D_V // (PIECE * LANES_PER_ROW)  # 4 latent pieces per thread per row (one per scale tile)
+
+
+class SparseDecodeFp8Kernel(SplitKVConsumer):
+    """Static configuration of one compiled sparse FP8 decode kernel."""
+
+    num_threads = 384
+    producer_regs = 128
+    consumer_regs = 192
+
+    def __init__(self, h_q: int, s_q: int, has_sink: bool, schedule: SparseDecodeSchedule):
+        schedule.validate()
+        self.dtype = cutlass.BFloat16
+        self.h_q = h_q
+        self.s_q = s_q
+        self.has_sink = has_sink
+        self.head_tiles = (h_q + BLOCK_M - 1) // BLOCK_M
+        self.kv_stages = schedule.kv_stages
+        self.rows_in_flight = schedule.rows_in_flight
+        # SplitKVConsumer facts: one query token per M tile, no causal mask.
+        self.causal = False
+        self.group = h_q
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [b, s_q, h_q, 576] bf16
+        mCache: cute.Tensor,  # [num_blocks, page, 164] int32 (656-byte rows)
+        mIndices: cute.Tensor,  # [b, s_q, topk] int32
+        mTopkLen: cute.Tensor,  # [b] int32
+        mSched: cute.Tensor,  # [num_parts, 8] int32
+        mNumSplits: cute.Tensor,  # [b + 1] int32
+        mOut: cute.Tensor,  # [b, s_q, h_q, 512] bf16
+        mLse: cute.Tensor,  # [b, h_q, s_q] fp32
+        mOAccum: cute.Tensor,  # [b + num_parts, 1, s_q * h_q, 512] fp32
+        mLseAccum: cute.Tensor,  # [b + num_parts, 1, s_q * h_q] fp32
+        mSink: cute.Tensor,  # [h_q] fp32, or None
+        scale_log2: cutlass.Float32,
+        stream,
+    ):
+        # (h_q, 576, s_q, b): feature-contiguous, as TMA wants; heads past h_q read as zeros.
+        q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 3, 1, 0]))
+        mma_qk_first, tiled_mma_qk, tiled_mma_pv = make_consumer_mmas(self.dtype)
+        sQ_layout, sK_layout, sV_layout, sP_layout = make_smem_layouts(self.dtype, self.kv_stages)
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), q, sQ_layout, (BLOCK_M, D_QK)
+        )
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
+
+        @cute.struct
+        class SharedStorage:
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
+            row_max: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            row_sum: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            bias: cute.struct.MemRange[cutlass.Float32, self.kv_stages * BLOCK_N]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        num_parts = mSched.shape[0]
+        mOut = out_rows(mOut, 1, self.h_q, self.s_q)
+        mLse = lse_rows(mLse, 1, self.h_q, self.s_q)
+        self.kernel(
+            mma_qk_first, tiled_mma_qk, tiled_mma_pv,
+            tma_atom_q, tma_q,
+            mCache, mIndices, mTopkLen, mSched,
+            SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum, mSink),
+            scale_log2,
+            sQ_layout, sK_layout, sV_layout, sP_layout,
+        ).launch(
+            grid=[num_parts, self.s_q * self.head_tiles, 1],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mma_qk_first: cute.TiledMma,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tma_atom_q: cute.CopyAtom,
+        tma_q: cute.Tensor,
+        mCache: cute.Tensor,
+        mIndices: cute.Tensor,
+        mTopkLen: cute.Tensor,
+        mSched: cute.Tensor,
+        outs: SplitOutputs,
+        scale_log2: cutlass.Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        part, m_tile, _ = cute.arch.block_idx()
+        s_idx = m_tile // self.head_tiles
+        head_tile = m_tile - s_idx * self.head_tiles
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_mbar.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+            tx_count=self.q_bytes,
+            defer_sync=True,
+        )
+        kv_pipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.kv_mbar.data_ptr(),
+            num_stages=self.kv_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
+            defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sBias = storage.bias.get_tensor(cute.make_layout((BLOCK_N, self.kv_stages)))
+
+        topk = mIndices.shape[2]
+
+        # The scheduler record is read after the register split, so neither role carries it
+        # across the reallocation (it spilled otherwise).
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            work = WorkSlice(mSched[part, 0], mSched[part, 1], mSched[part, 2], mSched[part, 3], mSched[part, 4])
+            self.produce(
+                tma_atom_q, tma_q, sQ, sK, sBias, q_pipe, kv_pipe,
+                mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx,
+            )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            work = WorkSlice(mSched[part, 0], mSched[part, 1], mSched[part, 2], mSched[part, 3], mSched[part, 4])
+            view = self.consumer_view(mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg_idx - 1, tidx % 128)
+            self.consume(
+                view,
+                storage.row_max.get_tensor(cute.make_layout((BLOCK_M, 2))),
+                storage.row_sum.get_tensor(cute.make_layout((BLOCK_M, 2))),
+                sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work,
+            )
+
+    # -------------------------------------------------------------- gather producer
+    @cute.jit
+    def produce(
+        self, tma_atom_q, tma_q, sQ, sK, sBias, q_pipe, kv_pipe,
+        mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx,
+    ):
+        # ((64, 576), head_tiles, 1, s_q, b)
+        gQ = cute.flat_divide(tma_q, (BLOCK_M, D_QK))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        page = mCache.shape[1]
+        num_rows = mCache.shape[0] * page
+        lane = tidx % LANES_PER_ROW
+        row_in_round = tidx // LANES_PER_ROW
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        gather = RowGather(
+            raw=cute.make_rmem_tensor((WORDS, LATENT_PIECES + 2, self.rows_in_flight), cutlass.Int32),
+            valid=cute.make_rmem_tensor((self.rows_in_flight,), cutlass.Int32),
+        )
+        for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
+            limit = cutlass.min(mTopkLen[req], topk)
+            first, last = work.blocks(req, cutlass.max(limit, 1))
+            if warp_idx == 0:
+                q_pipe.producer_acquire(q_state)
+                cute.copy(
+                    tma_atom_q, tQgQ[None, head_tile, 0, s_idx, req], tQsQ,
+                    tma_bar_ptr=q_pipe.producer_get_barrier(q_state),
+                )
+            q_state.advance()
+            for blk in cutlass.range(first, last, unroll=1):
+                kv_pipe.producer_acquire(kv_state)
+                for g in cutlass.range_constexpr(ROUNDS // self.rows_in_flight):
+                    for k in cutlass.range_constexpr(self.rows_in_flight):
+                        tok = (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
+                        pos = blk * BLOCK_N + tok
+                        # Positions past topk (topk not a multiple of 64) are never read.
+                        idx = cutlass.Int32(-1)
+                        if pos < limit:
+                            idx = mIndices[req, s_idx, pos]
+                        ok = (idx >= 0) & (idx < num_rows)
+                        self.load_row(gather, k, mCache, idx, page, ok, lane)
+                    for k in cutlass.range_constexpr(self.rows_in_flight):
+                        tok = (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
+                        self.store_row(gather, k, sK, sBias, tok, kv_state.index, lane)
+                # The consumers read the tile with WGMMA (async proxy).
+                cute.arch.fence_view_async_shared()
+                kv_pipe.producer_commit(kv_state)
+                kv_state.advance()
+
+    @cute.jit
+    def load_row(self, gather, k, mCache, idx, page, ok, lane):
+        """Start the six 16-byte loads of this thread's share of one row (nothing for an invalid token)."""
+        raw = gather.raw
+        gather.valid[k] = 0
+        for j in cutlass.range_constexpr(LATENT_PIECES + 2):
+            for w in cutlass.range_constexpr(WORDS):
+                raw[w, j, k] = 0
+        if ok:
+            gather.valid[k] = 1
+            blk_id = idx // page
+            row = mCache[blk_id, idx - blk_id * page, None]  # 164 int32 words
+            for m in cutlass.range_constexpr(LATENT_PIECES):
+                src = cute.local_tile(row, (WORDS,), ((m * LANES_PER_ROW + lane),))
+                cute.autovec_copy(src, raw[None, m, k])
+            cute.autovec_copy(cute.local_tile(row, (WORDS,), (SCALE_OFFSET // PIECE,)), raw[None, LATENT_PIECES, k])
+            cute.autovec_copy(
+                cute.local_tile(row, (WORDS,), (ROPE_OFFSET // PIECE + lane,)), raw[None, LATENT_PIECES + 1, k]
+            )
+
+    @cute.jit
+    def store_row(self, gather, k, sK, sBias, tok, stage, lane):
+        """Dequantize this thread's share of one row into the K tile (zeros for an invalid token)."""
+        raw = gather.raw
+        scales = cute.recast_tensor(raw[None, LATENT_PIECES, k], cutlass.Float32)
+        dst = sK[tok, None, stage]
+        for m in cutlass.range_constexpr(LATENT_PIECES):
+            fp8 = cute.recast_tensor(raw[None, m, k], cutlass.Float8E4M3FN)
+            vals = fp8.load().to(cutlass.Float32) * scales[m]
+            piece = cute.make_rmem_tensor((PIECE,), self.dtype)
+            piece.store(vals.to(self.dtype))
+            cute.autovec_copy(piece, cute.local_tile(dst, (PIECE,), (m * LANES_PER_ROW + lane,)))
+        rope = cute.recast_tensor(raw[None, LATENT_PIECES + 1, k], self.dtype)
+        cute.autovec_copy(rope, cute.local_tile(dst, (PIECE // 2,), (D_V // (PIECE // 2) + lane,)))
+        if lane == 0:
+            bias = -cutlass.Float32.inf
+            if gather.valid[k] != 0:
+                bias = 0.0
+            sBias[tok, stage] = bias
+
+    # ------------------------------------------------------------- consumers
+    @cute.jit
+    def consume(self, v, sMax, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work):
+        rows = self.row_state(0, v.tid)
+        bars = self.consumer_barriers()
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        head0 = head_tile * BLOCK_M
+        tile = OutputTile(0, s_idx * self.h_q + head0, self.h_q - head0, head0)
+        for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
+            first, last = work.blocks(req, cutlass.max(cutlass.min(mTopkLen[req], topk), 1))
+            self.start_rows(v, rows)
+            q_pipe.consumer_wait(q_state)
+            for blk in cutlass.range(first, last, unroll=1):
+                kv_pipe.consumer_wait(kv_state)
+                self.mma_qk(v, v.acc_s, kv_state.index)
+                warpgroup.wait_group(0)
+                self.online_softmax(v, rows, bars, sMax, BiasMask(sBias, kv_state.index, v.wg * HALF_N), scale_log2)
+                self.mma_pv(v, bars, kv_state.index)
+                kv_pipe.consumer_release(kv_state)
+                kv_state.advance()
+            q_pipe.consumer_release(q_state)
+            q_state.advance()
+            self.epilogue(v, rows, bars, sSum, outs, work, scale_log2, req, tile)
+
+
+@dataclasses.dataclass
+class RowGather:
+    """Registers of the rows a producer thread has in flight: raw bytes and validity."""
+
+    raw: Any  # (4, 6, rows_in_flight) int32: 16 bytes each of 4 latent pieces, the scales, 1 RoPE piece
+    valid: Any  # (rows_in_flight,) int32
+
+
+@dataclasses.dataclass
+class BiasMask:
+    """Adds the tile's per-token bias (0, or -inf for an invalid token) to the scores."""
+
+    bias: Any
+    stage: Any
+    offset: Any  # first token of the warpgroup's 32
+
+    @cute.jit
+    def apply(self, s, c, i):
+        return s + self.bias[self.offset + c, self.stage]

@@ -1,0 +1,63 @@
+"""Schedule of the sparse FP8 decode kernel, as plain data.
+
+The kernel reads every field at compile time; changing a field re-JITs.  The 64-head M
+tile, 64-token KV tile and the 656-byte row are constants of the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .dense import SMEM_CAPACITY
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseDecodeSchedule:
+    """Tunables of ``kernels/sparse_decode_fp8.py``.
+
+    kv_stages: dequantized 64 x 576 bf16 token tiles in flight (72 KiB each): 2 fit next to Q.
+    rows_in_flight: token rows each producer thread keeps loading while it dequantizes the
+        previous ones (1, 2 or 4 of its 4 rows per tile): more hides more latency and costs
+        registers.
+    split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
+    num_sm_parts: CTAs per (query token, 64-head tile); None = FlashMLA's rule from the SM count.
+    """
+
+    kv_stages: int = 2
+    rows_in_flight: int = 2
+    split_fixed_cost: int = 5
+    num_sm_parts: Optional[int] = None
+
+    def kernel_key(self) -> tuple:
+        """The fields the generated kernel code depends on (the others act on the host side)."""
+        return (self.kv_stages, self.rows_in_flight)
+
+    def smem_bytes(self) -> int:
+        """The kernel's shared storage: mbarriers, row max/sum, bias, then the 1 KiB-aligned tiles."""
+        small = 8 * (2 + 2 * self.kv_stages) + 2 * 2 * 64 * 4 + self.kv_stages * 64 * 4
+        small = -(-small // 1024) * 1024
+        q = 64 * 576 * 2
+        kv = self.kv_stages * 64 * 576 * 2
+        p = 64 * 64 * 2
+        return small + q + kv + p
+
+    def validate(self) -> None:
+        """Reject impossible schedules before compiling, with the reason."""
+        if not isinstance(self.kv_stages, int) or self.kv_stages < 1:
+            raise ValueError(f"kv_stages must be an int >= 1, got {self.kv_stages!r}")
+        if self.rows_in_flight not in (1, 2, 4):
+            raise ValueError(f"rows_in_flight must be 1, 2 or 4, got {self.rows_in_flight!r}")
+        if not isinstance(self.split_fixed_cost, int) or self.split_fixed_cost < 0:
+            raise ValueError(f"split_fixed_cost must be an int >= 0, got {self.split_fixed_cost!r}")
+        if self.num_sm_parts is not None and (not isinstance(self.num_sm_parts, int) or self.num_sm_parts < 1):
+            raise ValueError(f"num_sm_parts must be None or an int >= 1, got {self.num_sm_parts!r}")
+        need = self.smem_bytes()
+        if need > SMEM_CAPACITY:
+            raise ValueError(
+                f"schedule needs {need} bytes of shared memory (kv_stages={self.kv_stages}), "
+                f"more than the {SMEM_CAPACITY} a Hopper CTA can have"
+            )
+
+
+DEFAULT_SPARSE_SCHEDULE = SparseDecodeSchedule()
