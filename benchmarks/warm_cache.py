@@ -59,9 +59,22 @@ def configs(subset: str):
     return sorted(seen, key=repr)
 
 
+def sparse_configs():
+    """(s_q, h_q, attn_sink) of the sparse GPU tests and benchmark, as precompile dicts."""
+    import test_sparse_decode_gpu as sparse
+
+    seen = {(s_q, h_q, False) for _, s_q, h_q, *_ in sparse.GRID}
+    seen |= {(2, h, False) for h in (16, 32, 256)} | {(2, 128, True), (1, 64, True), (2, 64, False), (1, 64, False)}
+    seen |= {(2, 128, False), (1, 128, False)}  # benchmark rows
+    return [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink) for s_q, h_q, sink in sorted(seen)]
+
+
 def _one(cfg):
     import mla_cute
 
+    if isinstance(cfg, dict):
+        mla_cute.precompile([cfg])
+        return tuple(cfg.values())
     dtype, s_q, h_q, h_kv, causal, page, sched = cfg
     mla_cute.precompile([dict(dtype=dtype, s_q=s_q, h_q=h_q, h_kv=h_kv, causal=causal, page_block_size=page,
                               schedule=sched)])
@@ -71,11 +84,12 @@ def _one(cfg):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--subset", choices=["all", "corner"], default="all",
-                    help="corner: skip the parametrized grid (corner, fuzz and runtime tests, benchmarks)")
+    ap.add_argument("--subset", choices=["all", "corner", "sparse"], default="all",
+                    help="corner: skip the parametrized grid (corner, fuzz and runtime tests, benchmarks); "
+                         "sparse: only the sparse decode kernels")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(__file__))
-    todo = configs(args.subset)
+    todo = ([] if args.subset == "sparse" else configs(args.subset)) + sparse_configs()
     print(f"{len(todo)} configurations", flush=True)
     with ProcessPoolExecutor(args.jobs) as pool:
         for i, cfg in enumerate(pool.map(_one, todo)):

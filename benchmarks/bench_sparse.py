@@ -1,0 +1,122 @@
+"""Sparse FP8 decode benchmark, by the method of the FlashMLA anchor numbers
+(benchmarks/results/anchor_flashmla_sparse_fp8_h200.json).
+
+Random distinct topk tokens per query out of its request's s_k, page 64, random block
+placement, 656-byte FP8 rows (random e4m3 values, power-of-two scales, bf16 RoPE), no
+topk_length, no sink, metadata computed on the first call and reused; time = median of
+triton.testing.do_bench(fn, warmup=10, rep=100) over the whole call (split kernel +
+combine).  FLOPs = 2*b*s_q*h_q*topk*(576+512); bytes = b*s_q*topk*656 + 2*b*s_q*h_q*(576+512).
+
+    python benchmarks/bench_sparse.py [--out results.json] [--quick] [--schedules default,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+import torch
+
+import mla_cute
+from bench_decode import bench
+
+CONFIGS = [  # (b, s_q, h_q, s_k, topk): the anchor's rows
+    (2, 2, 128, 32768, 2048), (64, 2, 128, 32768, 2048), (74, 2, 128, 32768, 2048), (128, 2, 128, 32768, 2048),
+    (128, 2, 64, 32768, 2048), (128, 1, 128, 32768, 2048), (64, 2, 128, 65536, 16384),
+]
+ANCHOR = os.path.join(os.path.dirname(__file__), "results", "anchor_flashmla_sparse_fp8_h200.json")
+
+
+def schedules():
+    from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, SparseDecodeSchedule
+
+    return {"default": DEFAULT_SPARSE_SCHEDULE,
+            "flight1": SparseDecodeSchedule(rows_in_flight=1),
+            "flight4": SparseDecodeSchedule(rows_in_flight=4)}
+
+
+def make_inputs(b, s_q, h_q, s_k, topk, page=64, device="cuda"):
+    blocks = (s_k + page - 1) // page
+    nb = b * blocks
+    raw = torch.empty(nb, page, 656, dtype=torch.uint8, device=device)
+    raw[..., :512] = torch.randn(nb, page, 512, device=device).to(torch.float8_e4m3fn).view(torch.uint8)
+    scales = torch.pow(2.0, torch.randint(-8, -3, (nb, page, 4), device=device).float())
+    raw[..., 512:528] = scales.view(torch.uint8)
+    raw[..., 528:] = (torch.randn(nb, page, 64, device=device) * 0.1).to(torch.bfloat16).view(torch.uint8)
+    k_cache = raw.view(torch.float8_e4m3fn).view(nb, page, 1, 656)
+    block_table = torch.randperm(nb, device=device, dtype=torch.int64).view(b, blocks)
+    pos = torch.rand(b, s_q, s_k, device=device).argsort(dim=-1)[..., :topk]
+    phys = torch.gather(block_table.unsqueeze(1).expand(b, s_q, blocks), 2, pos // page)
+    indices = (phys * page + pos % page).to(torch.int32)
+    q = torch.randn(b, s_q, h_q, 576, device=device, dtype=torch.bfloat16)
+    return q, k_cache, indices
+
+
+def run(configs, schedule_name="default"):
+    schedule = schedules()[schedule_name]
+    rows = []
+    for b, s_q, h_q, s_k, topk in configs:
+        torch.manual_seed(b * 7 + s_q * 3 + h_q + topk)
+        q, k_cache, indices = make_inputs(b, s_q, h_q, s_k, topk)
+        meta, _ = mla_cute.get_mla_metadata()
+
+        def fn():
+            return mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, is_fp8_kvcache=True,
+                                                   indices=indices, backend="cute", schedule=schedule)
+
+        out, _ = fn()
+        torch.cuda.synchronize()
+        err = float("nan")
+        if b * s_q <= 16:
+            ref, _ = mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, mla_cute.get_mla_metadata()[0],
+                                                     is_fp8_kvcache=True, indices=indices, backend="reference")
+            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+        us = bench(fn, warmup=10, rep=100) * 1e3
+        flops = 2 * b * s_q * h_q * topk * (576 + 512)
+        nbytes = b * s_q * topk * 656 + 2 * b * s_q * h_q * (576 + 512)
+        rows.append(dict(b=b, s_q=s_q, h_q=h_q, s_k=s_k, topk=topk, us=us, tflops=flops / us / 1e6,
+                         gbps=nbytes / us / 1e3, rel_err=err, schedule=schedule_name))
+        del q, k_cache, indices, out, meta
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows, anchor):
+    ref = {(r["b"], r["s_q"], r["h_q"], r["s_k"], r["topk"]): r for r in anchor}
+    lines = ["| schedule | b | s_q | h_q | s_k | topk | us | TFLOP/s | GB/s | rel_err | FlashMLA us | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a = ref.get((r["b"], r["s_q"], r["h_q"], r["s_k"], r["topk"]))
+        r["anchor_us"] = a["us"] if a else None
+        r["ratio"] = a["us"] / r["us"] if a else float("nan")
+        lines.append(f"| {r['schedule']} | {r['b']} | {r['s_q']} | {r['h_q']} | {r['s_k']} | {r['topk']} | "
+                     f"{r['us']:.1f} | {r['tflops']:.0f} | {r['gbps']:.0f} | {r['rel_err']:.2e} | "
+                     f"{a['us'] if a else float('nan'):.1f} | {r['ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--anchor", default=ANCHOR)
+    ap.add_argument("--quick", action="store_true", help="three rows only")
+    ap.add_argument("--schedules", default="default", help="comma list of: " + ", ".join(schedules()))
+    args = ap.parse_args()
+    configs = [CONFIGS[0], CONFIGS[3], CONFIGS[4]] if args.quick else CONFIGS
+    rows = []
+    for name in args.schedules.split(","):
+        rows += run(configs, name)
+    anchor = json.load(open(args.anchor)) if os.path.exists(args.anchor) else []
+    print(table(rows, anchor))
+    if args.out:
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
+                    method="median of triton.testing.do_bench(warmup=10, rep=100), whole call")
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

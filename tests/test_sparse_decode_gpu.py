@@ -1,0 +1,118 @@
+"""Sparse FP8 decode kernel on the H200 against the reference on the dequantized cache
+(FlashMLA's sparse grid, invalid and out-of-range indices, topk_length, attention sinks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_cases import assert_close_flashmla, make_sparse_case, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+OUT_ABS, OUT_REL, OUT_COS = 8e-4, 2.01 / 128, 5e-6
+LSE_ABS, LSE_REL = 1e-6, 8.01 / 65536
+
+
+def run_and_check(case, *, reuse=1, schedule=None):
+    import mla_cute
+
+    ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(
+        block_table=None, cache_seqlens=None, head_dim_v=512, tile_scheduler_metadata=mla_cute.get_mla_metadata()[0],
+        is_fp8_kvcache=True, backend="reference", **case,
+    )
+    meta, _ = mla_cute.get_mla_metadata()
+    for _ in range(reuse):
+        poison_allocator()
+        out, lse = mla_cute.flash_mla_with_kvcache(
+            block_table=None, cache_seqlens=None, head_dim_v=512, tile_scheduler_metadata=meta,
+            is_fp8_kvcache=True, backend="cute", schedule=schedule, **case,
+        )
+        torch.cuda.synchronize()
+        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        assert_close_flashmla("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS)
+        assert_close_flashmla("lse", lse, ref_lse, LSE_ABS, LSE_REL)
+    return out, lse
+
+
+# FlashMLA's sparse decode grid: (s_k, topk, page) x b x s_q x h_q.
+SHAPES = [(512, 64, 2), (512, 64, 64), (512, 64, 69), (1024, 576, 61), (2046, 2048, 64), (2046, 2048, 576)]
+GRID = [(b, s_q, h_q, s_k, topk, page) for s_k, topk, page in SHAPES for b in (4, 74) for s_q in (1, 3)
+        for h_q in (64, 128)]
+
+
+@pytest.mark.parametrize("b,s_q,h_q,s_k,topk,page", GRID)
+def test_sparse_grid(b, s_q, h_q, s_k, topk, page):
+    run_and_check(make_sparse_case(b, s_q, h_q, s_k, topk, page, seed=b * 7 + s_q + h_q + topk))
+
+
+@pytest.mark.parametrize("h_q", [16, 32, 256])
+def test_head_counts_flashmla_lacks(h_q):
+    run_and_check(make_sparse_case(6, 2, h_q, 1000, 512, 64, seed=h_q))
+
+
+def test_all_indices_invalid():
+    case = make_sparse_case(4, 2, 128, 512, 128, 64, invalid_frac=1.0)
+    out, lse = run_and_check(case)
+    assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
+
+
+def test_topk_length_and_sinks():
+    """topk_length 0 / partial / beyond topk, and sinks of -inf, +inf and finite values, split and unsplit."""
+    b, h_q = 8, 128
+    sink = torch.randn(h_q) * 2
+    sink[0], sink[1], sink[5] = float("inf"), float("-inf"), float("inf")
+    for topk_len in ([0, 1, 63, 64, 65, 1000, 2048, 5000], [2048] * b):
+        run_and_check(make_sparse_case(b, 2, h_q, 4096, 2048, 64, topk_length=topk_len, attn_sink=sink, seed=3),
+                      reuse=2)
+
+
+def test_sink_with_splits_and_few_requests():
+    """b=2 with long topk: every request is split over many CTAs, so the sink goes through the combine."""
+    run_and_check(make_sparse_case(2, 1, 64, 8192, 4096, 64, attn_sink=torch.linspace(-3, 3, 64), seed=5))
+
+
+def test_out_of_range_indices_are_skipped():
+    run_and_check(make_sparse_case(16, 2, 64, 700, 320, 35, out_of_range=True, seed=9))
+
+
+def test_topk_not_multiple_of_64():
+    run_and_check(make_sparse_case(5, 1, 64, 300, 100, 16, seed=11))
+
+
+def test_non_contiguous_q():
+    case = make_sparse_case(8, 2, 128, 512, 256, 64, seed=13)
+    wide = torch.zeros(8, 2, 128, 640, dtype=torch.bfloat16, device="cuda")
+    wide[..., :576] = case["q"]
+    case["q"] = wide[..., :576]
+    assert not case["q"].is_contiguous()
+    run_and_check(case)
+
+
+def test_cuda_graph_replays_sparse_step():
+    import mla_cute
+
+    case = make_sparse_case(16, 2, 128, 2048, 1024, 64, seed=17)
+    meta, _ = mla_cute.get_mla_metadata()
+    call = lambda: mla_cute.flash_mla_with_kvcache(  # noqa: E731
+        block_table=None, cache_seqlens=None, head_dim_v=512, tile_scheduler_metadata=meta, is_fp8_kvcache=True,
+        backend="cute", **case,
+    )
+    call()  # compile outside the capture
+    meta, _ = mla_cute.get_mla_metadata()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call()
+    for seed in (21, 22):
+        fresh = make_sparse_case(16, 2, 128, 2048, 1024, 64, seed=seed)
+        for k in ("q", "k_cache", "indices"):
+            case[k].copy_(fresh[k])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(
+            block_table=None, cache_seqlens=None, head_dim_v=512,
+            tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], is_fp8_kvcache=True, backend="reference", **case,
+        )
+        assert_close_flashmla("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS)
+        assert_close_flashmla("lse", lse, ref_lse, LSE_ABS, LSE_REL)
