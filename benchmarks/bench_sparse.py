@@ -34,8 +34,7 @@ def schedules():
     from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, SparseDecodeSchedule
 
     return {"default": DEFAULT_SPARSE_SCHEDULE,
-            "flight1": SparseDecodeSchedule(rows_in_flight=1),
-            "flight4": SparseDecodeSchedule(rows_in_flight=4)}
+            "flight1": SparseDecodeSchedule(rows_in_flight=1)}
 
 
 def make_inputs(b, s_q, h_q, s_k, topk, page=64, device="cuda"):

@@ -70,11 +70,15 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
     """Static configuration of one compiled sparse FP8 decode kernel."""
 
     num_threads = 384
-    producer_regs = 128
+    # setmaxnreg moves registers within the CTA's launch allocation (168 x 384 = 64512):
+    # 128 x 120 + 256 x 192 must not exceed it, or the consumers' increase waits forever.
+    launch_regs = 168
+    producer_regs = 120
     consumer_regs = 192
 
     def __init__(self, h_q: int, s_q: int, has_sink: bool, schedule: SparseDecodeSchedule):
         schedule.validate()
+        assert 128 * self.producer_regs + 256 * self.consumer_regs <= self.launch_regs * self.num_threads
         self.dtype = cutlass.BFloat16
         self.h_q = h_q
         self.s_q = s_q

@@ -17,9 +17,9 @@ class SparseDecodeSchedule:
     """Tunables of ``kernels/sparse_decode_fp8.py``.
 
     kv_stages: dequantized 64 x 576 bf16 token tiles in flight (72 KiB each): 2 fit next to Q.
-    rows_in_flight: token rows each producer thread keeps loading while it dequantizes the
-        previous ones (1, 2 or 4 of its 4 rows per tile): more hides more latency and costs
-        registers.
+    rows_in_flight: token rows each producer thread loads before it dequantizes them (1 or 2
+        of its 4 rows per tile): more hides more latency and costs registers (4 spills in the
+        producer's 120).
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     num_sm_parts: CTAs per (query token, 64-head tile); None = FlashMLA's rule from the SM count.
     """
@@ -46,8 +46,9 @@ class SparseDecodeSchedule:
         """Reject impossible schedules before compiling, with the reason."""
         if not isinstance(self.kv_stages, int) or self.kv_stages < 1:
             raise ValueError(f"kv_stages must be an int >= 1, got {self.kv_stages!r}")
-        if self.rows_in_flight not in (1, 2, 4):
-            raise ValueError(f"rows_in_flight must be 1, 2 or 4, got {self.rows_in_flight!r}")
+        if self.rows_in_flight not in (1, 2):
+            raise ValueError(f"rows_in_flight must be 1 or 2 (4 rows of registers do not fit the producer), "
+                             f"got {self.rows_in_flight!r}")
         if not isinstance(self.split_fixed_cost, int) or self.split_fixed_cost < 0:
             raise ValueError(f"split_fixed_cost must be an int >= 0, got {self.split_fixed_cost!r}")
         if self.num_sm_parts is not None and (not isinstance(self.num_sm_parts, int) or self.num_sm_parts < 1):

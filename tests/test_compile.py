@@ -61,3 +61,42 @@ def test_combine_and_scheduler_compile_without_spills(capfd):
     compile_scheduler(5, options=OPTIONS)
     spills, _ = _ptxas_report(capfd.readouterr().err)
     assert len(spills) == 2 and all(s == (0, 0, 0) for s in spills), spills
+
+
+def _check_register_split(ptx: str, regs: list) -> None:
+    """setmaxnreg moves registers inside the CTA's launch allocation: 128 x dec + 256 x inc must fit in
+    regs x 384, or the consumers' increase never returns (a hang, not an error)."""
+    dec = [int(m) for m in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx)]
+    inc = [int(m) for m in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)]
+    assert len(dec) == 1 and len(inc) == 1, (dec, inc)
+    assert 128 * dec[0] + 256 * inc[0] <= max(regs) * 384, f"setmaxnreg {dec[0]}/{inc[0]} exceeds {max(regs)} x 384"
+
+
+def test_dense_register_split_fits_the_launch_allocation(capfd):
+    from mla_cute.kernels.build import compile_dense_decode
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
+
+    fn = compile_dense_decode(torch.bfloat16, 1, 128, 1, False, 64, DEFAULT_DENSE_SCHEDULE, options=OPTIONS)
+    _, regs = _ptxas_report(capfd.readouterr().err)
+    _check_register_split(fn.__ptx__, regs)
+
+
+@pytest.mark.parametrize("s_q,h_q,sink,rows_in_flight", [(2, 128, True, 2), (1, 64, False, 1), (1, 16, False, 2)])
+def test_sparse_decode_gathers_with_vector_loads_without_spills(s_q, h_q, sink, rows_in_flight, capfd):
+    from mla_cute.kernels.build import compile_sparse_decode
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    fn = compile_sparse_decode(s_q, h_q, sink, SparseDecodeSchedule(rows_in_flight=rows_in_flight), options=OPTIONS)
+    ptx = fn.__ptx__
+    assert ptx.count("wgmma.mma_async") >= 40
+    assert "cp.async.bulk.tensor" in ptx  # Q
+    # 6 x 16-byte loads per gathered row, 4 rows per thread per tile.
+    assert ptx.count("ld.global.v4.b32") >= 24
+    assert "cvt.rn.f16x2.e4m3x2" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    err = capfd.readouterr().err
+    assert "C7514" not in err and "C7517" not in err, "ptxas serialized WGMMA: " + err[:2000]
+    spills, regs = _ptxas_report(err)
+    assert spills and all(s == (0, 0, 0) for s in spills), f"stack frame / spills: {spills}"
+    assert max(regs) <= 168
+    _check_register_split(ptx, regs)
