@@ -1,6 +1,7 @@
-"""Nsight Compute profile of one dense decode configuration (run on the GPU machine).
+"""Nsight Compute profile of one decode configuration (run on the GPU machine).
 
     python benchmarks/profile.py --b 128 --s-q 1 --h-q 128 --s-k 4096 [--schedule serial] [--out DIR]
+    python benchmarks/profile.py --sparse --b 128 --s-q 2 --h-q 128 --s-k 32768 --topk 2048
 
 Runs ncu on the split kernel of one call and prints duration, DRAM throughput, tensor-pipe
 (GMMA) activity, long-scoreboard stalls, executed instructions and global-load sectors.
@@ -26,6 +27,12 @@ METRICS = [
     "smsp__sass_inst_executed.sum",
     "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active",
 ]
 
 
@@ -37,6 +44,16 @@ def workload(args):
     from bench_decode import make_inputs
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE
 
+    if args.sparse:
+        from bench_sparse import make_inputs as make_sparse, schedules
+
+        q, k_cache, indices = make_sparse(args.b, args.s_q, args.h_q, args.s_k, args.topk)
+        meta, _ = mla_cute.get_mla_metadata()
+        for _ in range(3):
+            mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=indices,
+                                            schedule=schedules()[args.schedule])
+        torch.cuda.synchronize()
+        return
     sched = PREFETCH_DENSE_SCHEDULE if args.schedule == "prefetch" else DEFAULT_DENSE_SCHEDULE
     q, k_cache, block_table, seqlens = make_inputs(args.b, args.s_q, args.h_q, args.s_k)
     meta, _ = mla_cute.get_mla_metadata()
@@ -52,17 +69,21 @@ def main():
     ap.add_argument("--s-q", type=int, default=1)
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--s-k", type=int, default=4096)
-    ap.add_argument("--schedule", choices=["default", "prefetch"], default="default")
+    ap.add_argument("--schedule", default="default",
+                    help="dense: default or prefetch; sparse: a name of bench_sparse.schedules()")
+    ap.add_argument("--sparse", action="store_true", help="profile the sparse FP8 decode kernel")
+    ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--out", default=None, help="folder for the raw ncu csv")
     ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.workload:
         workload(args)
         return
-    cmd = ["ncu", "--clock-control", "none", "-k", "regex:DenseDecodeKernel", "--launch-skip", "2", "--launch-count", "1",
+    kernel = "regex:SparseDecodeFp8Kernel" if args.sparse else "regex:DenseDecodeKernel"
+    cmd = ["ncu", "--clock-control", "none", "-k", kernel, "--launch-skip", "2", "--launch-count", "1",
            "--metrics", ",".join(METRICS), "--csv", sys.executable, __file__, "--workload",
            "--b", str(args.b), "--s-q", str(args.s_q), "--h-q", str(args.h_q), "--s-k", str(args.s_k),
-           "--schedule", args.schedule]
+           "--schedule", args.schedule, "--topk", str(args.topk)] + (["--sparse"] if args.sparse else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     text = proc.stdout
     start = text.find('"ID"')
@@ -70,12 +91,13 @@ def main():
         print(proc.stdout[-3000:], proc.stderr[-3000:])
         sys.exit(1)
     rows = list(csv.DictReader(io.StringIO(text[start:])))
-    print(f"config b={args.b} s_q={args.s_q} h_q={args.h_q} s_k={args.s_k} schedule={args.schedule}")
+    kind = f"sparse topk={args.topk} " if args.sparse else ""
+    print(f"config {kind}b={args.b} s_q={args.s_q} h_q={args.h_q} s_k={args.s_k} schedule={args.schedule}")
     for r in rows:
         print(f"  {r['Metric Name']:75s} {r['Metric Value']:>16s} {r['Metric Unit']}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"ncu_{args.schedule}_b{args.b}_sq{args.s_q}_h{args.h_q}_sk{args.s_k}.csv"),
+        with open(os.path.join(args.out, f"ncu_{'sparse_' if args.sparse else ''}{args.schedule}_b{args.b}_sq{args.s_q}_h{args.h_q}_sk{args.s_k}.csv"),
                   "w") as f:
             f.write(text[start:])
 

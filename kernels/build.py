@@ -119,7 +119,7 @@ def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool):
     """Fake tensors matching ``SparseDecodeFp8Kernel.__call__`` (and the sparse step)."""
     from .sparse_decode_fp8 import ROW_BYTES
 
-    b, nb, page, topk, parts, splits = _sym(), _sym(), _sym(), _sym(64), _sym(), _sym()
+    b, nb, page, topk, parts, splits = _sym(), _sym(), _sym(), _sym(), _sym(), _sym()
     s64 = lambda: _sym(8, 64)  # noqa: E731
     bf16 = cutlass.BFloat16
     q = make_fake_tensor(bf16, (b, s_q, h_q, D_QK), (s64(), s64(), s64(), 1), assumed_align=16)
