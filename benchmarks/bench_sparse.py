@@ -34,7 +34,8 @@ def schedules():
     from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, SparseDecodeSchedule
 
     return {"default": DEFAULT_SPARSE_SCHEDULE,
-            "flight1": SparseDecodeSchedule(rows_in_flight=1)}
+            "flight1": SparseDecodeSchedule(rows_in_flight=1),
+            "crossover": SparseDecodeSchedule(crossover=True)}
 
 
 def make_inputs(b, s_q, h_q, s_k, topk, page=64, device="cuda"):

@@ -66,7 +66,13 @@ def sparse_configs():
     seen = {(s_q, h_q, False) for _, s_q, h_q, *_ in sparse.GRID}
     seen |= {(2, h, False) for h in (16, 32, 256)} | {(2, 128, True), (1, 64, True), (2, 64, False), (1, 64, False)}
     seen |= {(2, 128, False), (1, 128, False)}  # benchmark rows
-    return [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink) for s_q, h_q, sink in sorted(seen)]
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    out = [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink) for s_q, h_q, sink in sorted(seen)]
+    crossover = {(s_q, 128, False) for s_q in (1, 2, 3)} | {(2, 128, True), (1, 128, True), (2, 256, False)}
+    out += [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink, schedule=SparseDecodeSchedule(crossover=True))
+            for s_q, h_q, sink in sorted(crossover)]
+    return out
 
 
 def _one(cfg):
@@ -74,7 +80,7 @@ def _one(cfg):
 
     if isinstance(cfg, dict):
         mla_cute.precompile([cfg])
-        return tuple(cfg.values())
+        return tuple(v for k, v in cfg.items() if k != "schedule") + (cfg.get("schedule"),)
     dtype, s_q, h_q, h_kv, causal, page, sched = cfg
     mla_cute.precompile([dict(dtype=dtype, s_q=s_q, h_q=h_q, h_kv=h_kv, causal=causal, page_block_size=page,
                               schedule=sched)])

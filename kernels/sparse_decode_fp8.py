@@ -62,8 +62,11 @@ PIECE = 16  # bytes per load
 WORDS = PIECE // 4  # int32 words per load
 LANES_PER_ROW = 8  # threads sharing one row: 8 x 16 B = one 128-byte segment per load
 ROWS_PER_ROUND = 128 // LANES_PER_ROW  # 16 rows per pass of the producer warpgroup
-ROUNDS = BLOCK_N // ROWS_PER_ROUND  # 4 rows per thread per tile
+ROUNDS = BLOCK_N // ROWS_PER_ROUND  # 4 rows per thread per tile (2 with the crossover)
 LATENT_PIECES = D_V // (PIECE * LANES_PER_ROW)  # 4 latent pieces per thread per row (one per scale tile)
+# Crossover: bytes the peer CTA stores into this CTA's stage per tile (its 32 rows of bf16 K, and their bias).
+PEER_TX_BYTES = (BLOCK_N // 2) * (D_QK * 2 + 4)
+NEG_INF_BITS = -8388608  # 0xFF800000, -inf as fp32 bits
 
 
 class SparseDecodeFp8Kernel(SplitKVConsumer):
@@ -86,6 +89,9 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
         self.head_tiles = (h_q + BLOCK_M - 1) // BLOCK_M
         self.kv_stages = schedule.kv_stages
         self.rows_in_flight = schedule.rows_in_flight
+        # The two 64-head tiles of a pair share every token tile (2-CTA cluster).
+        self.crossover = schedule.crossover and self.head_tiles % 2 == 0
+        self.rounds = ROUNDS // 2 if self.crossover else ROUNDS
         # SplitKVConsumer facts: one query token per M tile, no causal mask.
         self.causal = False
         self.group = h_q
@@ -146,6 +152,7 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
+            cluster=[1, 2 if self.crossover else 1, 1],
         )
 
     # ------------------------------------------------------------------ device side
@@ -189,11 +196,20 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
             barrier_storage=storage.kv_mbar.data_ptr(),
             num_stages=self.kv_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
+            # With the crossover the peer's consumers release this CTA's stages too: the peer
+            # producer writes into them.
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 512 if self.crossover else 256),
             defer_sync=True,
         )
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        rank = cutlass.Int32(0)
+        if cutlass.const_expr(self.crossover):
+            rank = cute.arch.block_idx_in_cluster()
+            # The peer must see initialised barriers before it stores or arrives remotely.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -208,9 +224,10 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             work = WorkSlice(mSched[part, 0], mSched[part, 1], mSched[part, 2], mSched[part, 3], mSched[part, 4])
+            peer = PeerStores(sK_layout, storage.sK.data_ptr(), storage.bias.data_ptr(), rank)
             self.produce(
                 tma_atom_q, tma_q, sQ, sK, sBias, q_pipe, kv_pipe,
-                mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx,
+                mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, peer,
             )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -220,14 +237,18 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
                 view,
                 storage.row_max.get_tensor(cute.make_layout((BLOCK_M, 2))),
                 storage.row_sum.get_tensor(cute.make_layout((BLOCK_M, 2))),
-                sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work,
+                sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work, rank,
             )
+        if cutlass.const_expr(self.crossover):
+            # Neither CTA may exit while the peer can still store or arrive into its shared memory.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     # -------------------------------------------------------------- gather producer
     @cute.jit
     def produce(
         self, tma_atom_q, tma_q, sQ, sK, sBias, q_pipe, kv_pipe,
-        mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx,
+        mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, peer,
     ):
         # ((64, 576), head_tiles, 1, s_q, b)
         gQ = cute.flat_divide(tma_q, (BLOCK_M, D_QK))
@@ -256,9 +277,9 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
             q_state.advance()
             for blk in cutlass.range(first, last, unroll=1):
                 kv_pipe.producer_acquire(kv_state)
-                for g in cutlass.range_constexpr(ROUNDS // self.rows_in_flight):
+                for g in cutlass.range_constexpr(self.rounds // self.rows_in_flight):
                     for k in cutlass.range_constexpr(self.rows_in_flight):
-                        tok = (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
+                        tok = peer.rank * (BLOCK_N // 2) + (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
                         pos = blk * BLOCK_N + tok
                         # Positions past topk (topk not a multiple of 64) are never read.
                         idx = cutlass.Int32(-1)
@@ -267,11 +288,19 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
                         ok = (idx >= 0) & (idx < num_rows)
                         self.load_row(gather, k, mCache, idx, page, ok, lane)
                     for k in cutlass.range_constexpr(self.rows_in_flight):
-                        tok = (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
-                        self.store_row(gather, k, sK, sBias, tok, kv_state.index, lane)
+                        tok = peer.rank * (BLOCK_N // 2) + (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
+                        self.store_row(gather, k, sK, sBias, tok, kv_state.index, lane, peer,
+                                       kv_pipe.producer_get_barrier(kv_state))
                 # The consumers read the tile with WGMMA (async proxy).
                 cute.arch.fence_view_async_shared()
-                kv_pipe.producer_commit(kv_state)
+                if cutlass.const_expr(self.crossover):
+                    # One of the 128 arrivals also expects the peer's bytes (st.async completes them).
+                    if tidx == 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(kv_pipe.producer_get_barrier(kv_state), PEER_TX_BYTES)
+                    else:
+                        kv_pipe.producer_commit(kv_state)
+                else:
+                    kv_pipe.producer_commit(kv_state)
                 kv_state.advance()
 
     @cute.jit
@@ -295,8 +324,9 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
             )
 
     @cute.jit
-    def store_row(self, gather, k, sK, sBias, tok, stage, lane):
-        """Dequantize this thread's share of one row into the K tile (zeros for an invalid token)."""
+    def store_row(self, gather, k, sK, sBias, tok, stage, lane, peer, full_bar):
+        """Dequantize this thread's share of one row into the K tile (zeros for an invalid token); with the
+        crossover also into the peer CTA's tile (st.async, completing bytes on the peer's ``full_bar``)."""
         raw = gather.raw
         scales = cute.recast_tensor(raw[None, LATENT_PIECES, k], cutlass.Float32)
         dst = sK[tok, None, stage]
@@ -305,18 +335,30 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
             vals = fp8.load().to(cutlass.Float32) * scales[m]
             piece = cute.make_rmem_tensor((PIECE,), self.dtype)
             piece.store(vals.to(self.dtype))
+            col = (m * LANES_PER_ROW + lane) * PIECE
             cute.autovec_copy(piece, cute.local_tile(dst, (PIECE,), (m * LANES_PER_ROW + lane,)))
+            if cutlass.const_expr(self.crossover):
+                words = cute.recast_tensor(piece, cutlass.Int32)
+                for h in cutlass.range_constexpr(2):
+                    peer.store16(tok, col + 8 * h, stage, words, 4 * h, full_bar)
         rope = cute.recast_tensor(raw[None, LATENT_PIECES + 1, k], self.dtype)
         cute.autovec_copy(rope, cute.local_tile(dst, (PIECE // 2,), (D_V // (PIECE // 2) + lane,)))
+        if cutlass.const_expr(self.crossover):
+            peer.store16(tok, D_V + 8 * lane, stage, raw[None, LATENT_PIECES + 1, k], 0, full_bar)
         if lane == 0:
             bias = -cutlass.Float32.inf
+            bits = cutlass.Int32(NEG_INF_BITS)
             if gather.valid[k] != 0:
                 bias = 0.0
+                bits = 0
             sBias[tok, stage] = bias
+            if cutlass.const_expr(self.crossover):
+                peer.store_bias(tok, stage, bits, full_bar)
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, v, sMax, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work):
+    def consume(self, v, sMax, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work,
+                rank):
         rows = self.row_state(0, v.tid)
         bars = self.consumer_barriers()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -334,6 +376,8 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
                 self.online_softmax(v, rows, bars, sMax, BiasMask(sBias, kv_state.index, v.wg * HALF_N), scale_log2)
                 self.mma_pv(v, bars, kv_state.index)
                 kv_pipe.consumer_release(kv_state)
+                if cutlass.const_expr(self.crossover):
+                    cute.arch.mbarrier_arrive(kv_pipe.consumer_get_barrier(kv_state), 1 - rank)
                 kv_state.advance()
             q_pipe.consumer_release(q_state)
             q_state.advance()
@@ -359,3 +403,25 @@ class BiasMask:
     @cute.jit
     def apply(self, s, c, i):
         return s + self.bias[self.offset + c, self.stage]
+
+
+@dataclasses.dataclass
+class PeerStores:
+    """Crossover stores into the peer CTA's stage: same byte offsets as the local tile (st.async)."""
+
+    sK_layout: Any  # the swizzled K layout: its offsets are the physical ones
+    k_base: Any  # bf16 pointer to this CTA's K stages
+    bias_base: Any  # fp32 pointer to this CTA's bias
+    rank: Any  # this CTA's rank in the cluster (the peer is 1 - rank)
+
+    @cute.jit
+    def store16(self, tok, col, stage, words, w0, full_bar):
+        """8 bf16 (words[w0 : w0 + 4]) to K[tok, col : col + 8] of the peer's stage."""
+        off = cute.assume(cute.crd2idx((tok, col, stage), self.sK_layout), divby=8)
+        cute.arch.store_async_dsmem(
+            self.k_base + off, (words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3]), full_bar, 1 - self.rank
+        )
+
+    @cute.jit
+    def store_bias(self, tok, stage, bits, full_bar):
+        cute.arch.store_async_dsmem(self.bias_base + (stage * BLOCK_N + tok), bits, full_bar, 1 - self.rank)

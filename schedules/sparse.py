@@ -20,18 +20,23 @@ class SparseDecodeSchedule:
     rows_in_flight: token rows each producer thread loads before it dequantizes them (1 or 2
         of its 4 rows per tile): more hides more latency and costs registers (4 spills in the
         producer's 120).
+    crossover: pair the 64-head tiles of a query token (h_q = 128: heads 0-63 and 64-127) in a
+        2-CTA cluster; each CTA gathers and dequantizes half of every token tile and stores it
+        into its own and its peer's shared memory.  Ignored when the head tiles do not pair
+        (h_q <= 64, or an odd number of 64-head tiles).
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     num_sm_parts: CTAs per (query token, 64-head tile); None = FlashMLA's rule from the SM count.
     """
 
     kv_stages: int = 2
     rows_in_flight: int = 2
+    crossover: bool = False
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
-        return (self.kv_stages, self.rows_in_flight)
+        return (self.kv_stages, self.rows_in_flight, self.crossover)
 
     def smem_bytes(self) -> int:
         """The kernel's shared storage: mbarriers, row max/sum, bias, then the 1 KiB-aligned tiles."""
@@ -49,6 +54,8 @@ class SparseDecodeSchedule:
         if self.rows_in_flight not in (1, 2):
             raise ValueError(f"rows_in_flight must be 1 or 2 (4 rows of registers do not fit the producer), "
                              f"got {self.rows_in_flight!r}")
+        if not isinstance(self.crossover, bool):
+            raise ValueError(f"crossover must be a bool, got {self.crossover!r}")
         if not isinstance(self.split_fixed_cost, int) or self.split_fixed_cost < 0:
             raise ValueError(f"split_fixed_cost must be an int >= 0, got {self.split_fixed_cost!r}")
         if self.num_sm_parts is not None and (not isinstance(self.num_sm_parts, int) or self.num_sm_parts < 1):

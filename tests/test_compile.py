@@ -100,3 +100,21 @@ def test_sparse_decode_gathers_with_vector_loads_without_spills(s_q, h_q, sink, 
     assert spills and all(s == (0, 0, 0) for s in spills), f"stack frame / spills: {spills}"
     assert max(regs) <= 168
     _check_register_split(ptx, regs)
+
+
+def test_sparse_crossover_stores_into_the_peer_with_st_async(capfd):
+    from mla_cute.kernels.build import compile_sparse_decode
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    fn = compile_sparse_decode(2, 128, False, SparseDecodeSchedule(crossover=True), options=OPTIONS)
+    ptx = fn.__ptx__
+    assert ptx.count("wgmma.mma_async") >= 40
+    # Each thread stores its 2 rows into the peer: 9 x 16 bytes per row, plus the bias word.
+    assert ptx.count("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32") >= 18
+    assert "mbarrier.arrive.expect_tx" in ptx
+    assert "mbarrier.arrive.shared::cluster" in ptx  # consumers release the peer's stage too
+    assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
+    err = capfd.readouterr().err
+    spills, regs = _ptxas_report(err)
+    assert spills and all(s == (0, 0, 0) for s in spills), f"stack frame / spills: {spills}"
+    _check_register_split(ptx, regs)
