@@ -371,6 +371,9 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
             q_pipe.consumer_wait(q_state)
             for blk in cutlass.range(first, last, unroll=1):
                 kv_pipe.consumer_wait(kv_state)
+                if cutlass.const_expr(self.crossover):
+                    # Half the tile arrived by st.async (generic proxy); WGMMA reads through the async proxy.
+                    cute.arch.fence_view_async_shared()
                 self.mma_qk(v, v.acc_s, kv_state.index)
                 warpgroup.wait_group(0)
                 self.online_softmax(v, rows, bars, sMax, BiasMask(sBias, kv_state.index, v.wg * HALF_N), scale_log2)
