@@ -412,7 +412,7 @@ class BiasMask:
 class PeerStores:
     """Crossover stores into the peer CTA's stage: same byte offsets as the local tile (st.async)."""
 
-    sK_layout: Any  # the swizzled K layout: its offsets are the physical ones
+    sK_layout: Any  # the swizzled K layout (the swizzle is applied here, on byte offsets)
     k_base: Any  # bf16 pointer to this CTA's K stages
     bias_base: Any  # fp32 pointer to this CTA's bias
     rank: Any  # this CTA's rank in the cluster (the peer is 1 - rank)
@@ -420,7 +420,10 @@ class PeerStores:
     @cute.jit
     def store16(self, tok, col, stage, words, w0, full_bar):
         """8 bf16 (words[w0 : w0 + 4]) to K[tok, col : col + 8] of the peer's stage."""
-        off = cute.assume(cute.crd2idx((tok, col, stage), self.sK_layout), divby=8)
+        # The 128-byte swizzle acts on byte offsets: 16-byte chunk bits [4, 7) ^= row bits [7, 10).
+        b = cute.crd2idx((tok, col, stage), self.sK_layout.outer) * 2
+        b = b ^ ((b >> 3) & 0x70)
+        off = cute.assume(b >> 1, divby=8)
         cute.arch.store_async_dsmem(
             self.k_base + off, (words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3]), full_bar, 1 - self.rank
         )
