@@ -35,7 +35,7 @@ def schedules():
 
     return {"default": DEFAULT_SPARSE_SCHEDULE,
             "flight1": SparseDecodeSchedule(rows_in_flight=1),
-            "crossover": SparseDecodeSchedule(crossover=True)}
+            "no_crossover": SparseDecodeSchedule(crossover=False)}
 
 
 def make_inputs(b, s_q, h_q, s_k, topk, page=64, device="cuda"):

@@ -265,6 +265,9 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
             raw=cute.make_rmem_tensor((WORDS, LATENT_PIECES + 2, self.rows_in_flight), cutlass.Int32),
             valid=cute.make_rmem_tensor((self.rows_in_flight,), cutlass.Int32),
         )
+        # The indices of the next tile are loaded while this tile's rows are gathered, so a tile
+        # waits for one round trip to memory per batch of rows instead of two.
+        next_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             limit = cutlass.min(mTopkLen[req], topk)
             first, last = work.blocks(req, cutlass.max(limit, 1))
@@ -275,16 +278,17 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
                     tma_bar_ptr=q_pipe.producer_get_barrier(q_state),
                 )
             q_state.advance()
+            self.load_indices(next_idx, mIndices, req, s_idx, first, limit, peer.rank, row_in_round)
             for blk in cutlass.range(first, last, unroll=1):
+                cur_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
+                cur_idx.store(next_idx.load())
+                if blk + 1 < last:
+                    self.load_indices(next_idx, mIndices, req, s_idx, blk + 1, limit, peer.rank, row_in_round)
                 kv_pipe.producer_acquire(kv_state)
                 for g in cutlass.range_constexpr(self.rounds // self.rows_in_flight):
                     for k in cutlass.range_constexpr(self.rows_in_flight):
                         tok = peer.rank * (BLOCK_N // 2) + (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
-                        pos = blk * BLOCK_N + tok
-                        # Positions past topk (topk not a multiple of 64) are never read.
-                        idx = cutlass.Int32(-1)
-                        if pos < limit:
-                            idx = mIndices[req, s_idx, pos]
+                        idx = cur_idx[g * self.rows_in_flight + k]
                         ok = (idx >= 0) & (idx < num_rows)
                         self.load_row(gather, k, mCache, idx, page, ok, lane)
                     for k in cutlass.range_constexpr(self.rows_in_flight):
@@ -302,6 +306,16 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
                 else:
                     kv_pipe.producer_commit(kv_state)
                 kv_state.advance()
+
+    @cute.jit
+    def load_indices(self, dst, mIndices, req, s_idx, blk, limit, rank, row_in_round):
+        """The cache indices of this thread's rows of tile ``blk`` (-1 past the request's length; positions
+        past topk, when topk is not a multiple of 64, are never read)."""
+        for r in cutlass.range_constexpr(self.rounds):
+            pos = blk * BLOCK_N + rank * (BLOCK_N // 2) + r * ROWS_PER_ROUND + row_in_round
+            dst[r] = -1
+            if pos < limit:
+                dst[r] = mIndices[req, s_idx, pos]
 
     @cute.jit
     def load_row(self, gather, k, mCache, idx, page, ok, lane):

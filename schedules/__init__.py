@@ -7,7 +7,7 @@ from .dense import (
     SMEM_CAPACITY,
     DenseDecodeSchedule,
 )
-from .sparse import DEFAULT_SPARSE_SCHEDULE, SparseDecodeSchedule
+from .sparse import DEFAULT_SPARSE_SCHEDULE, NO_CROSSOVER_SPARSE_SCHEDULE, SparseDecodeSchedule
 from .planner import RECORD_FIELDS, RECORD_SIZE, num_sm_parts_for, plan_splits, sparse_lengths, sparse_num_sm_parts_for
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "SMEM_CAPACITY",
     "DenseDecodeSchedule",
     "DEFAULT_SPARSE_SCHEDULE",
+    "NO_CROSSOVER_SPARSE_SCHEDULE",
     "SparseDecodeSchedule",
     "RECORD_FIELDS",
     "RECORD_SIZE",
