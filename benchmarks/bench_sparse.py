@@ -35,7 +35,8 @@ def schedules():
 
     return {"default": DEFAULT_SPARSE_SCHEDULE,
             "flight1": SparseDecodeSchedule(rows_in_flight=1),
-            "no_crossover": SparseDecodeSchedule(crossover=False)}
+            "no_crossover": SparseDecodeSchedule(crossover=False),
+            "crossover": SparseDecodeSchedule(crossover=True)}
 
 
 def make_inputs(b, s_q, h_q, s_k, topk, page=64, device="cuda"):

@@ -69,9 +69,9 @@ def sparse_configs():
     from mla_cute.schedules import SparseDecodeSchedule
 
     out = [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink) for s_q, h_q, sink in sorted(seen)]
-    plain = {(s_q, 128, False) for s_q in (1, 2, 3)} | {(2, 128, True), (1, 128, True), (2, 256, False)}
-    out += [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink, schedule=SparseDecodeSchedule(crossover=False))
-            for s_q, h_q, sink in sorted(plain)]
+    paired = {(s_q, 128, False) for s_q in (1, 2, 3)} | {(2, 128, True), (1, 128, True), (2, 256, False)}
+    out += [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink, schedule=SparseDecodeSchedule(crossover=True))
+            for s_q, h_q, sink in sorted(paired)]
     return out
 
 

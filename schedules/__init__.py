@@ -7,7 +7,12 @@ from .dense import (
     SMEM_CAPACITY,
     DenseDecodeSchedule,
 )
-from .sparse import DEFAULT_SPARSE_SCHEDULE, NO_CROSSOVER_SPARSE_SCHEDULE, SparseDecodeSchedule
+from .sparse import (
+    CROSSOVER_SPARSE_SCHEDULE,
+    DEFAULT_SPARSE_SCHEDULE,
+    NO_CROSSOVER_SPARSE_SCHEDULE,
+    SparseDecodeSchedule,
+)
 from .planner import RECORD_FIELDS, RECORD_SIZE, num_sm_parts_for, plan_splits, sparse_lengths, sparse_num_sm_parts_for
 
 __all__ = [
@@ -18,6 +23,7 @@ __all__ = [
     "DenseDecodeSchedule",
     "DEFAULT_SPARSE_SCHEDULE",
     "NO_CROSSOVER_SPARSE_SCHEDULE",
+    "CROSSOVER_SPARSE_SCHEDULE",
     "SparseDecodeSchedule",
     "RECORD_FIELDS",
     "RECORD_SIZE",

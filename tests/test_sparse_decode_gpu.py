@@ -118,28 +118,28 @@ def test_cuda_graph_replays_sparse_step():
         assert_close_flashmla("lse", lse, ref_lse, LSE_ABS, LSE_REL)
 
 
-def _no_crossover():
-    from mla_cute.schedules import NO_CROSSOVER_SPARSE_SCHEDULE
+def _crossover():
+    from mla_cute.schedules import CROSSOVER_SPARSE_SCHEDULE
 
-    return NO_CROSSOVER_SPARSE_SCHEDULE
+    return CROSSOVER_SPARSE_SCHEDULE
 
 
-# The default schedule pairs the 64-head tiles of h_q = 128 and 256 in 2-CTA clusters (crossover);
-# the tests above run it.  Those below run the same cases with each CTA gathering whole tiles.
+# The tests above run the default schedule (each CTA gathers whole token tiles); those below pair
+# the 64-head tiles of h_q = 128 and 256 in 2-CTA clusters (crossover) on the same cases.
 @pytest.mark.parametrize("b,s_q,h_q,s_k,topk,page", [g for g in GRID if g[2] == 128])
-def test_no_crossover_grid(b, s_q, h_q, s_k, topk, page):
+def test_crossover_grid(b, s_q, h_q, s_k, topk, page):
     run_and_check(make_sparse_case(b, s_q, h_q, s_k, topk, page, seed=b * 7 + s_q + h_q + topk),
-                  schedule=_no_crossover())
+                  schedule=_crossover())
 
 
-def test_no_crossover_corners():
+def test_crossover_corners():
     """Sinks and topk_length (split and unsplit), out-of-range indices, all invalid, h_q = 256."""
     sink = torch.randn(128) * 2
     sink[0], sink[1] = float("inf"), float("-inf")
     run_and_check(make_sparse_case(8, 2, 128, 4096, 2048, 64, topk_length=[0, 1, 63, 64, 65, 1000, 2048, 5000],
-                                   attn_sink=sink, seed=3), schedule=_no_crossover(), reuse=2)
-    run_and_check(make_sparse_case(2, 1, 128, 8192, 4096, 64, attn_sink=sink, seed=5), schedule=_no_crossover())
-    run_and_check(make_sparse_case(16, 2, 128, 700, 320, 35, out_of_range=True, seed=9), schedule=_no_crossover())
-    out, lse = run_and_check(make_sparse_case(4, 2, 128, 512, 128, 64, invalid_frac=1.0), schedule=_no_crossover())
+                                   attn_sink=sink, seed=3), schedule=_crossover(), reuse=2)
+    run_and_check(make_sparse_case(2, 1, 128, 8192, 4096, 64, attn_sink=sink, seed=5), schedule=_crossover())
+    run_and_check(make_sparse_case(16, 2, 128, 700, 320, 35, out_of_range=True, seed=9), schedule=_crossover())
+    out, lse = run_and_check(make_sparse_case(4, 2, 128, 512, 128, 64, invalid_frac=1.0), schedule=_crossover())
     assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
-    run_and_check(make_sparse_case(6, 2, 256, 1000, 512, 64, seed=256), schedule=_no_crossover())
+    run_and_check(make_sparse_case(6, 2, 256, 1000, 512, 64, seed=256), schedule=_crossover())
