@@ -34,7 +34,6 @@ def schedules():
     from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, SparseDecodeSchedule
 
     return {"default": DEFAULT_SPARSE_SCHEDULE,
-            "flight1": SparseDecodeSchedule(rows_in_flight=1),
             "no_crossover": SparseDecodeSchedule(crossover=False),
             "crossover": SparseDecodeSchedule(crossover=True)}
 

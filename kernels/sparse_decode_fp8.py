@@ -12,7 +12,9 @@ Warpgroup roles (384 threads):
            the scales, 1 RoPE), dequantizes fp8 x scale to bf16 and stores the row into
            the swizzled K tile.  An invalid token (index -1 or outside the cache, or past
            ``topk_length``) is not read: its row is written as zeros and its score bias is
-           -inf.  ``rows_in_flight`` rows are loaded before the first is converted.
+           -inf.  Two rows are loaded before the first is converted (one row at a time was
+           slower; four do not fit the producer's registers), and the next tile's indices
+           are loaded while this tile is gathered.
   WG1, WG2 consumers (``consumer.SplitKVConsumer``): QK^T, softmax with the bias mask,
            PV, epilogue with the attention sink.
 
@@ -63,6 +65,7 @@ WORDS = PIECE // 4  # int32 words per load
 LANES_PER_ROW = 8  # threads sharing one row: 8 x 16 B = one 128-byte segment per load
 ROWS_PER_ROUND = 128 // LANES_PER_ROW  # 16 rows per pass of the producer warpgroup
 ROUNDS = BLOCK_N // ROWS_PER_ROUND  # 4 rows per thread per tile (2 with the crossover)
+ROWS_IN_FLIGHT = 2  # rows a producer thread loads before converting them
 LATENT_PIECES = D_V // (PIECE * LANES_PER_ROW)  # 4 latent pieces per thread per row (one per scale tile)
 # Crossover: bytes the peer CTA stores into this CTA's stage per tile (its 32 rows of bf16 K, and their bias).
 PEER_TX_BYTES = (BLOCK_N // 2) * (D_QK * 2 + 4)
@@ -88,7 +91,6 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
         self.has_sink = has_sink
         self.head_tiles = (h_q + BLOCK_M - 1) // BLOCK_M
         self.kv_stages = schedule.kv_stages
-        self.rows_in_flight = schedule.rows_in_flight
         # The two 64-head tiles of a pair share every token tile (2-CTA cluster).
         self.crossover = schedule.crossover and self.head_tiles % 2 == 0
         self.rounds = ROUNDS // 2 if self.crossover else ROUNDS
@@ -262,8 +264,8 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         gather = RowGather(
-            raw=cute.make_rmem_tensor((WORDS, LATENT_PIECES + 2, self.rows_in_flight), cutlass.Int32),
-            valid=cute.make_rmem_tensor((self.rows_in_flight,), cutlass.Int32),
+            raw=cute.make_rmem_tensor((WORDS, LATENT_PIECES + 2, ROWS_IN_FLIGHT), cutlass.Int32),
+            valid=cute.make_rmem_tensor((ROWS_IN_FLIGHT,), cutlass.Int32),
         )
         # The indices of the next tile are loaded while this tile's rows are gathered, so a tile
         # waits for one round trip to memory per batch of rows instead of two.
@@ -285,14 +287,14 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
                 if blk + 1 < last:
                     self.load_indices(next_idx, mIndices, req, s_idx, blk + 1, limit, peer.rank, row_in_round)
                 kv_pipe.producer_acquire(kv_state)
-                for g in cutlass.range_constexpr(self.rounds // self.rows_in_flight):
-                    for k in cutlass.range_constexpr(self.rows_in_flight):
-                        tok = peer.rank * (BLOCK_N // 2) + (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
-                        idx = cur_idx[g * self.rows_in_flight + k]
+                for g in cutlass.range_constexpr(self.rounds // ROWS_IN_FLIGHT):
+                    for k in cutlass.range_constexpr(ROWS_IN_FLIGHT):
+                        tok = peer.rank * (BLOCK_N // 2) + (g * ROWS_IN_FLIGHT + k) * ROWS_PER_ROUND + row_in_round
+                        idx = cur_idx[g * ROWS_IN_FLIGHT + k]
                         ok = (idx >= 0) & (idx < num_rows)
                         self.load_row(gather, k, mCache, idx, page, ok, lane)
-                    for k in cutlass.range_constexpr(self.rows_in_flight):
-                        tok = peer.rank * (BLOCK_N // 2) + (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
+                    for k in cutlass.range_constexpr(ROWS_IN_FLIGHT):
+                        tok = peer.rank * (BLOCK_N // 2) + (g * ROWS_IN_FLIGHT + k) * ROWS_PER_ROUND + row_in_round
                         self.store_row(gather, k, sK, sBias, tok, kv_state.index, lane, peer,
                                        kv_pipe.producer_get_barrier(kv_state))
                 # The consumers read the tile with WGMMA (async proxy).
@@ -405,8 +407,8 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
 class RowGather:
     """Registers of the rows a producer thread has in flight: raw bytes and validity."""
 
-    raw: Any  # (4, 6, rows_in_flight) int32: 16 bytes each of 4 latent pieces, the scales, 1 RoPE piece
-    valid: Any  # (rows_in_flight,) int32
+    raw: Any  # (4, 6, ROWS_IN_FLIGHT) int32: 16 bytes each of 4 latent pieces, the scales, 1 RoPE piece
+    valid: Any  # (ROWS_IN_FLIGHT,) int32
 
 
 @dataclasses.dataclass

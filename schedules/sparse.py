@@ -17,9 +17,6 @@ class SparseDecodeSchedule:
     """Tunables of ``kernels/sparse_decode_fp8.py``.
 
     kv_stages: dequantized 64 x 576 bf16 token tiles in flight (72 KiB each): 2 fit next to Q.
-    rows_in_flight: token rows each producer thread loads before it dequantizes them (1 or 2
-        of its 4 rows per tile): more hides more latency and costs registers (4 spills in the
-        producer's 120).
     crossover: pair the 64-head tiles of a query token (h_q = 128: heads 0-63 and 64-127) in a
         2-CTA cluster; each CTA gathers and dequantizes half of every token tile and stores it
         into its own and its peer's shared memory.  Ignored when the head tiles do not pair
@@ -31,14 +28,13 @@ class SparseDecodeSchedule:
     """
 
     kv_stages: int = 2
-    rows_in_flight: int = 2
     crossover: bool = False
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
-        return (self.kv_stages, self.rows_in_flight, self.crossover)
+        return (self.kv_stages, self.crossover)
 
     def smem_bytes(self) -> int:
         """The kernel's shared storage: mbarriers, row max/sum, bias, then the 1 KiB-aligned tiles."""
@@ -53,9 +49,6 @@ class SparseDecodeSchedule:
         """Reject impossible schedules before compiling, with the reason."""
         if not isinstance(self.kv_stages, int) or self.kv_stages < 1:
             raise ValueError(f"kv_stages must be an int >= 1, got {self.kv_stages!r}")
-        if self.rows_in_flight not in (1, 2):
-            raise ValueError(f"rows_in_flight must be 1 or 2 (4 rows of registers do not fit the producer), "
-                             f"got {self.rows_in_flight!r}")
         if not isinstance(self.crossover, bool):
             raise ValueError(f"crossover must be a bool, got {self.crossover!r}")
         if not isinstance(self.split_fixed_cost, int) or self.split_fixed_cost < 0:

@@ -105,3 +105,107 @@ def test_unsupported_configurations_raise(page, fp8, match):
     cache = torch.zeros(2, page, 1, 656 if fp8 else 576, dtype=torch.uint8 if fp8 else torch.bfloat16)
     with pytest.raises(NotImplementedError, match=match):
         check_supported(cache, fp8)
+
+
+@pytest.fixture
+def sparse_recorder(monkeypatch):
+    import mla_cute.kernels.build as build
+
+    calls = {"compile": [], "steps": [], "scheduler": []}
+
+    def compile_sparse_decode(s_q, h_q, has_sink, schedule, options="", *, with_combine=False):
+        assert with_combine
+        calls["compile"].append((s_q, h_q, has_sink, schedule))
+        return lambda *args: calls["steps"].append(args)
+
+    def compile_scheduler(fixed_cost, options=""):
+        def run(lengths, sched, splits):
+            calls["scheduler"].append((fixed_cost, lengths.clone(), sched.shape, splits.shape))
+
+        return run
+
+    monkeypatch.setattr(build, "compile_sparse_decode", compile_sparse_decode)
+    monkeypatch.setattr(build, "compile_scheduler", compile_scheduler)
+    return calls
+
+
+def _sparse_inputs(b=3, s_q=2, h_q=128, topk=128, page=64):
+    from mla_cute.fp8 import quantize_kv_cache
+
+    q = torch.randn(b, s_q, h_q, 576).to(torch.bfloat16)
+    k_cache = quantize_kv_cache(torch.randn(4, page, 1, 576).to(torch.bfloat16))
+    indices = torch.randint(-1, 4 * page, (b, s_q, topk), dtype=torch.int32)
+    return q, k_cache, indices
+
+
+def test_sparse_arguments_handed_to_the_step(sparse_recorder):
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    sched = SparseDecodeSchedule(num_sm_parts=7, split_fixed_cost=2)
+    q, k_cache, indices = _sparse_inputs()
+    topk_length = torch.tensor([0, 70, 500], dtype=torch.int32)
+    sink = torch.zeros(128)
+    meta = get_mla_metadata()[0]
+    out, lse = cute.sparse_decode(q, k_cache, indices, topk_length, sink, 0.25, meta, True, sched)
+    assert out.shape == (3, 2, 128, 512) and out.dtype == torch.bfloat16
+    assert lse.shape == (3, 128, 2) and lse.dtype == torch.float32
+    assert sparse_recorder["compile"] == [(2, 128, True, sched)]
+    fixed, lengths, sched_shape, splits_shape = sparse_recorder["scheduler"][0]
+    assert fixed == 2 and sched_shape == (7, 8) and splits_shape == (4,)
+    assert lengths.tolist() == [1, 70, 128]  # clamped to [1, topk] for the planner
+    (qq, cache, idx, tl, records, splits, o, l, o_acc, lse_acc, sk, scale) = sparse_recorder["steps"][0]
+    assert cache.dtype == torch.int32 and cache.shape == (4, 64, 164)  # 656-byte rows as words
+    assert tl is topk_length and sk is not None and math.isclose(scale, 0.25 * math.log2(math.e))
+    assert o_acc.shape == (3 + 7, 1, 2 * 128, 512) and lse_acc.shape == (3 + 7, 1, 2 * 128)
+    # Without topk_length every request has topk tokens; attn_sink must then stay absent.
+    meta = get_mla_metadata()[0]
+    cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True, sched)
+    assert sparse_recorder["steps"][1][3].tolist() == [128, 128, 128]
+    with pytest.raises(ValueError, match="attn_sink"):
+        cute.sparse_decode(q, k_cache, indices, None, sink, 0.25, meta, False, sched)
+
+
+def test_sparse_cache_layout_the_kernel_cannot_read():
+    from mla_cute.backends import cute
+
+    _, k_cache, _ = _sparse_inputs()
+    wide = torch.zeros(4, 64, 1, 672, dtype=torch.uint8)[..., :656]  # rows not packed
+    with pytest.raises(NotImplementedError, match="packed"):
+        cute.check_sparse_supported(wide)
+    cute.check_sparse_supported(k_cache)
+
+
+def test_sparse_schedule_rules():
+    import mla_cute
+    from mla_cute.api import _resolve_schedule
+    from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
+
+    with pytest.raises(ValueError, match="crossover"):
+        SparseDecodeSchedule(crossover=1).validate()
+    with pytest.raises(ValueError, match="shared memory"):
+        SparseDecodeSchedule(kv_stages=3).validate()
+    with pytest.raises(TypeError, match="SparseDecodeSchedule"):
+        _resolve_schedule(DenseDecodeSchedule(), SparseDecodeSchedule)
+    x = SparseDecodeSchedule(crossover=True)
+    with mla_cute.use_schedule(x), mla_cute.use_schedule(DenseDecodeSchedule(kv_stages=1)):
+        assert _resolve_schedule(None, SparseDecodeSchedule) is x
+        assert _resolve_schedule(None, DenseDecodeSchedule).kv_stages == 1
+    assert _resolve_schedule(None, SparseDecodeSchedule) == SparseDecodeSchedule()
+
+
+def test_precompile_sparse_configs(monkeypatch):
+    import mla_cute
+    from mla_cute.backends import cute
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    seen = []
+    monkeypatch.setattr(cute, "precompile_sparse", lambda *a: seen.append(a))
+    x = SparseDecodeSchedule(crossover=True)
+    assert mla_cute.precompile([dict(sparse=True, s_q=2, h_q=128, attn_sink=True)], schedule=x) == 1
+    assert seen == [(2, 128, True, x)]
+    with pytest.raises(ValueError, match="unknown keys"):
+        mla_cute.precompile([dict(sparse=True, s_q=2, h_q=128, causal=True)])
+    with pytest.raises(ValueError, match="h_q must be an int"):
+        mla_cute.precompile([dict(sparse=True, s_q=2, h_q=0)])
