@@ -7,7 +7,7 @@ scheduler record over the requests' ``topk_length`` (64-token blocks), as in den
 Warpgroup roles (384 threads):
   WG0      producer (all 128 threads).  Warp 0 also issues the Q tile's TMA copy
            (64 heads x 576 of token s, once per request).  Per 64-token tile each thread
-           gathers 4 token rows: thread t reads 16-byte piece ``t % 8`` of each 128-byte
+           gathers 4 token rows (2 with the crossover): thread t reads 16-byte piece ``t % 8`` of each 128-byte
            segment of row ``16 k + t / 8`` (coalesced 128-byte reads, 6 per row: 4 latent,
            the scales, 1 RoPE), dequantizes fp8 x scale to bf16 and stores the row into
            the swizzled K tile.  An invalid token (index -1 or outside the cache, or past
@@ -26,6 +26,14 @@ Shared-memory plan (bytes):
   sBias  kv_stages x 64 fp32 (0 or -inf)     256 each
   mbarriers: Q full/empty (TMA), KV full (128 producer arrivals) / empty (256 consumer
   arrivals) per stage.
+
+Crossover (``schedule.crossover``, the 64-head tiles of a token in pairs: h_q = 128, 256):
+a 2-CTA cluster along the grid's y.  Each CTA gathers rows ``32 rank .. 32 rank + 31`` of
+every tile (2 per thread), stores them locally and with ``st.async`` at the same offsets into
+the peer's stage, completing bytes on the peer's KV full barrier; one of the 128 local
+arrivals also expects the peer's ``PEER_TX_BYTES``.  KV empty counts 512 arrivals (both CTAs'
+consumers), because the peer writes into this CTA's stages.  Cluster barriers after the
+barrier setup and before exit.
 
 Named barriers: ``consumer.BarrierId`` (consumers only; the producer syncs on mbarriers).
 """
