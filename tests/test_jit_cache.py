@@ -34,9 +34,13 @@ def test_second_process_loads_from_disk(tmp_path):
     cold, log_cold = _run(env)
     assert "compiling scheduler" in log_cold
     assert list(tmp_path.glob("*.o")), "nothing written to the cache directory"
-    warm, log_warm = _run(env)
-    assert "compiling" not in log_warm
-    assert warm < 0.1, f"warm start took {warm:.3f} s"
+    # Best of three processes: the load time is the cache's, not a busy machine's.
+    warm = []
+    for _ in range(3):
+        secs, log_warm = _run(env)
+        assert "compiling" not in log_warm
+        warm.append(secs)
+    assert min(warm) < 0.1, f"warm start took {min(warm):.3f} s (best of {[round(w, 3) for w in warm]})"
 
 
 def test_disk_cache_can_be_disabled(tmp_path):
