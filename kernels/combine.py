@@ -55,14 +55,10 @@ class CombineKernel:
             grid=[mOut.shape[0], h_kv, (self.rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA],
             block=[self.num_threads, 1, 1],
             stream=stream,
-            # Programmatic dependent launch: the grid is set up while the split kernel runs.
-            use_pdl=True,
         )
 
     @cute.kernel
     def kernel(self, mNumSplits, mOAccum, mLseAccum, mOut, mLse, mSink):
-        # Launched early (PDL): wait until the split kernel has finished and its writes are visible.
-        cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         req, kv_head, row_block = cute.arch.block_idx()
         lane = tidx % 32

@@ -188,9 +188,6 @@ class DenseDecodeKernel(SplitKVConsumer):
         sV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
     ):
-        # The combine kernel (launched with PDL) may be scheduled as soon as SMs free up; it waits
-        # for this grid's completion itself.
-        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         part, m_tile, kv_head = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())

@@ -185,9 +185,6 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
         sV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
     ):
-        # The combine kernel (launched with PDL) may be scheduled as soon as SMs free up; it waits
-        # for this grid's completion itself.
-        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         part, m_tile, _ = cute.arch.block_idx()
         s_idx = m_tile // self.head_tiles

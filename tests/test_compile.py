@@ -44,7 +44,6 @@ def test_dense_decode_uses_wgmma_tma_mbarriers_without_spills(dtype, s_q, h_q, h
     assert "cp.async.bulk.tensor" in ptx
     assert "mbarrier.try_wait" in ptx
     assert "setmaxnreg" in ptx
-    assert "griddepcontrol.launch_dependents" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
     err = capfd.readouterr().err
     # C7514 / C7517: ptxas serialized the WGMMAs or injected waits (an accumulator read while in flight).
@@ -59,8 +58,7 @@ def test_dense_decode_uses_wgmma_tma_mbarriers_without_spills(dtype, s_q, h_q, h
 def test_combine_and_scheduler_compile_without_spills(capfd):
     from mla_cute.kernels.build import compile_combine, compile_scheduler
 
-    fn = compile_combine(torch.bfloat16, 2, 64, 1, options=OPTIONS)
-    assert "griddepcontrol.wait" in fn.__ptx__  # launched with PDL: waits for the split kernel
+    compile_combine(torch.bfloat16, 2, 64, 1, options=OPTIONS)
     compile_scheduler(5, options=OPTIONS)
     spills, _ = _ptxas_report(capfd.readouterr().err)
     assert len(spills) == 2 and all(s == (0, 0, 0) for s in spills), spills
