@@ -374,3 +374,19 @@ def test_sparse_prefill_rejects(case):
     base = prefill_args()
     with pytest.raises(exc, match=match):
         mla_cute.flash_mla_sparse_fwd(**{**base, **make(base)})
+
+
+def test_sparse_schedule_argument():
+    """Sparse calls take a SparseDecodeSchedule (its split policy shapes the metadata); a dense one is refused."""
+    from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
+
+    meta = mla_cute.get_mla_metadata()[0]
+    mla_cute.flash_mla_with_kvcache(**sparse_args(tile_scheduler_metadata=meta),
+                                    schedule=SparseDecodeSchedule(num_sm_parts=3))
+    assert meta.tile_scheduler_metadata.shape == (3, 8)
+    with pytest.raises(TypeError, match="SparseDecodeSchedule"):
+        mla_cute.flash_mla_with_kvcache(**sparse_args(tile_scheduler_metadata=mla_cute.get_mla_metadata()[0]),
+                                        schedule=DenseDecodeSchedule())
+    with pytest.raises(TypeError, match="DenseDecodeSchedule"):
+        mla_cute.flash_mla_with_kvcache(**dense_args(tile_scheduler_metadata=mla_cute.get_mla_metadata()[0]),
+                                        schedule=SparseDecodeSchedule())
