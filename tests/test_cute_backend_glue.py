@@ -209,3 +209,25 @@ def test_precompile_sparse_configs(monkeypatch):
         mla_cute.precompile([dict(sparse=True, s_q=2, h_q=128, causal=True)])
     with pytest.raises(ValueError, match="h_q must be an int"):
         mla_cute.precompile([dict(sparse=True, s_q=2, h_q=0)])
+
+
+def test_misaligned_contiguous_q_is_copied_to_aligned_storage(recorder, sparse_recorder):
+    """A contiguous q whose base is off 16 bytes (a view one element in) reaches the kernels as an
+    aligned copy: TMA cannot read it in place, and ``contiguous()`` would hand it back unchanged."""
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SparseDecodeSchedule
+
+    b, s_q, h_q = 3, 2, 16
+    flat = torch.randn(b * s_q * h_q * 576 + 8).to(torch.bfloat16)
+    q = flat[1:1 + b * s_q * h_q * 576].view(b, s_q, h_q, 576)
+    assert q.is_contiguous() and q.data_ptr() % 16 != 0
+    _, k_cache, block_table, seqlens = _inputs(b=3, s_q=s_q, h_q=h_q, h_kv=1)
+    cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, get_mla_metadata()[0], True,
+                      DEFAULT_DENSE_SCHEDULE)
+    handed = recorder["steps"][0][0]
+    assert handed.data_ptr() % 16 == 0 and torch.equal(handed.view(b, s_q, h_q, 576), q)
+    _, fp8, indices = _sparse_inputs(b=b, s_q=s_q, h_q=h_q)
+    cute.sparse_decode(q, fp8, indices, None, None, 0.1, get_mla_metadata()[0], True, SparseDecodeSchedule())
+    handed = sparse_recorder["steps"][0][0]
+    assert handed.data_ptr() % 16 == 0 and torch.equal(handed, q)

@@ -21,18 +21,35 @@ _LOG2_E = math.log2(math.e)
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+    """What TMA and the 16-byte loads need: unit last stride, 16-byte base and strides (16-bit elements)."""
+    s = t.stride()
+    if s[-1] != 1 or t.data_ptr() % 16:
+        return False
+    for x in s[:-1]:
+        if x % 8:
+            return False
+    return True
+
+
+def _packed_copy(t: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous copy: new storage is 16-byte aligned (``contiguous()`` would return a
+    contiguous tensor with a misaligned base unchanged)."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def query_rows(q: torch.Tensor, h_kv: int) -> torch.Tensor:
     """[b, s_q, h_q, d] -> [b, s_q * group, h_kv, d], row = s * group + head in group (a view when possible)."""
     b, s_q, h_q, d = q.shape
+    if h_kv == 1 and q.is_contiguous():
+        # Contiguous with d = 576: the strides are 16-byte multiples, only the base can be off.
+        rows = q.view(b, s_q * h_q, 1, d)
+        return rows if q.data_ptr() % 16 == 0 else _packed_copy(rows)
     if h_kv == 1:
-        rows = q.view(b, s_q * h_q, 1, d) if q.is_contiguous() else q.reshape(b, s_q * h_q, 1, d)
+        rows = q.reshape(b, s_q * h_q, 1, d)
     else:
         group = h_q // h_kv
         rows = q.view(b, s_q, h_kv, group, d).transpose(2, 3).reshape(b, s_q * group, h_kv, d)
-    return rows if _aligned(rows) else rows.contiguous()
+    return rows if _aligned(rows) else _packed_copy(rows)
 
 
 def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool) -> None:
@@ -157,7 +174,7 @@ def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, me
     lse = torch.empty(plan.b, plan.h_q, plan.s_q, dtype=torch.float32, device=q.device)
     cache = k_cache.view(torch.uint8).view(torch.int32)[:, :, 0]
     plan.step(
-        q if _aligned(q) else q.contiguous(),
+        q if _aligned(q) else _packed_copy(q),
         cache,
         indices if indices.stride(-1) == 1 else indices.contiguous(),
         topk_length if topk_length is not None else plan.topk_len,
