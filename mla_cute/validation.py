@@ -6,7 +6,7 @@ wrong type or dtype, ValueError for a wrong value, shape or device.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 
@@ -16,16 +16,14 @@ FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8, torch.int8)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def check_tensor(name: str, t, *, dim: Optional[int] = None, dtypes: Optional[Iterable[torch.dtype]] = None) -> None:
+def check_tensor(name: str, t, *, dim: Optional[int] = None, dtypes: Optional[tuple] = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name} must have {dim} dimensions, got shape {list(t.shape)}")
-    if dtypes is not None:
-        dtypes = tuple(dtypes)
-        if t.dtype not in dtypes:
-            want = " or ".join(str(d) for d in dtypes)
-            raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
 
 
 def check_shape(name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
