@@ -62,45 +62,67 @@ def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool) -> None:
         raise NotImplementedError("k_cache needs a contiguous last dimension, 16-byte aligned base and strides")
 
 
-class DensePlan:
-    """What a metadata object holds for the cute backend: compiled step, workspace, launch constants."""
+def _split_workspace(meta, lengths, parts: int, fixed_cost: int, b: int, h_kv: int, rows: int, device):
+    """Run the GPU scheduler over ``lengths`` into the metadata, and allocate the fp32 partials.
 
-    __slots__ = ("schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "rows")
+    At most one partial per request plus one extra per part (a part splits at most one request).
+    """
+    from ..kernels.build import compile_scheduler
 
-    def __init__(self, q, k_cache, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens):
-        from ..kernels.build import compile_dense_decode, compile_scheduler
-
-        b, s_q, h_q, _ = q.shape
-        page, h_kv = k_cache.shape[1], k_cache.shape[2]
-        self.schedule, self.b, self.s_q, self.h_q, self.h_kv = schedule, b, s_q, h_q, h_kv
-        self.rows = s_q * (h_q // h_kv)
-        parts = schedule.num_sm_parts or num_sm_parts_for(num_sms(q.device), s_q, h_q, h_kv)
-        self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=True)
-        scheduler = compile_scheduler(schedule.split_fixed_cost)
-        sched = torch.empty(parts, 8, dtype=torch.int32, device=q.device)
-        splits = torch.empty(b + 1, dtype=torch.int32, device=q.device)
-        scheduler(cache_seqlens, sched, splits)
-        meta.tile_scheduler_metadata, meta.num_splits = sched, splits
-        # Partials: at most one per request plus one extra per part (a part splits at most one request).
-        self.o_accum = torch.empty(b + parts, h_kv, self.rows, 512, dtype=torch.float32, device=q.device)
-        self.lse_accum = torch.empty(b + parts, h_kv, self.rows, dtype=torch.float32, device=q.device)
+    sched = torch.empty(parts, 8, dtype=torch.int32, device=device)
+    splits = torch.empty(b + 1, dtype=torch.int32, device=device)
+    compile_scheduler(fixed_cost)(lengths, sched, splits)
+    meta.tile_scheduler_metadata, meta.num_splits = sched, splits
+    o_accum = torch.empty(b + parts, h_kv, rows, 512, dtype=torch.float32, device=device)
+    lse_accum = torch.empty(b + parts, h_kv, rows, dtype=torch.float32, device=device)
+    return o_accum, lse_accum
 
 
-def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, meta, first,
-                 schedule: DenseDecodeSchedule):
-    plan = meta._state.get("dense")
+def _reused_plan(meta, kind: str, first: bool, schedule):
+    """The plan a metadata object already holds for ``kind``, or None when one must be built."""
+    plan = meta._state.get(kind)
     if first or plan is None:
-        schedule.validate()
-        plan = DensePlan(q, k_cache, causal, schedule, meta, cache_seqlens)
-        meta._state["dense"] = plan
-    elif plan.schedule != schedule:
+        return None
+    if plan.schedule != schedule:
         raise ValueError(
             f"tile_scheduler_metadata was computed with schedule {plan.schedule}, this call asks for {schedule}; "
             "call get_mla_metadata() again to change the schedule"
         )
-    # The kernels write FlashMLA's layouts directly (kernels/layouts.py).
-    out = torch.empty(plan.b, plan.s_q, plan.h_q, 512, dtype=q.dtype, device=q.device)
-    lse = torch.empty(plan.b, plan.h_q, plan.s_q, dtype=torch.float32, device=q.device)
+    return plan
+
+
+def _outputs(plan, device):
+    """FlashMLA's out ``[b, s_q, h_q, 512]`` (q dtype) and lse ``[b, h_q, s_q]``: the kernels write them in place."""
+    out = torch.empty(plan.b, plan.s_q, plan.h_q, 512, dtype=plan.dtype, device=device)
+    lse = torch.empty(plan.b, plan.h_q, plan.s_q, dtype=torch.float32, device=device)
+    return out, lse
+
+
+class DensePlan:
+    """What a metadata object holds for the cute backend: compiled step, workspace, launch constants."""
+
+    __slots__ = ("schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype")
+
+    def __init__(self, q, k_cache, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens):
+        from ..kernels.build import compile_dense_decode
+
+        schedule.validate()
+        b, s_q, h_q, _ = q.shape
+        page, h_kv = k_cache.shape[1], k_cache.shape[2]
+        self.schedule, self.b, self.s_q, self.h_q, self.h_kv, self.dtype = schedule, b, s_q, h_q, h_kv, q.dtype
+        parts = schedule.num_sm_parts or num_sm_parts_for(num_sms(q.device), s_q, h_q, h_kv)
+        self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=True)
+        self.o_accum, self.lse_accum = _split_workspace(
+            meta, cache_seqlens, parts, schedule.split_fixed_cost, b, h_kv, s_q * (h_q // h_kv), q.device
+        )
+
+
+def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, meta, first,
+                 schedule: DenseDecodeSchedule):
+    plan = _reused_plan(meta, "dense", first, schedule)
+    if plan is None:
+        plan = meta._state["dense"] = DensePlan(q, k_cache, causal, schedule, meta, cache_seqlens)
+    out, lse = _outputs(plan, q.device)
     plan.step(
         query_rows(q, plan.h_kv), k_cache, block_table, cache_seqlens, meta.tile_scheduler_metadata,
         meta.num_splits, out, lse, plan.o_accum, plan.lse_accum, softmax_scale * _LOG2_E,
@@ -131,51 +153,39 @@ def check_sparse_supported(k_cache: torch.Tensor) -> None:
 class SparsePlan:
     """What a metadata object holds for the sparse cute kernel: compiled step, lengths, workspace."""
 
-    __slots__ = ("schedule", "step", "topk_len", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink")
+    __slots__ = ("schedule", "step", "topk_len", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype")
 
     def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta):
-        from ..kernels.build import compile_scheduler, compile_sparse_decode
+        from ..kernels.build import compile_sparse_decode
 
+        schedule.validate()
         b, s_q, h_q, _ = q.shape
-        self.schedule, self.b, self.s_q, self.h_q, self.has_sink = schedule, b, s_q, h_q, has_sink
+        self.schedule, self.b, self.s_q, self.h_q, self.has_sink, self.dtype = schedule, b, s_q, h_q, has_sink, q.dtype
         parts = schedule.num_sm_parts or sparse_num_sm_parts_for(num_sms(q.device), s_q, h_q)
         self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True)
-        scheduler = compile_scheduler(schedule.split_fixed_cost)
         # Without topk_length every request has topk tokens; the kernel reads this tensor then.
         self.topk_len = None if topk_length is not None else torch.full((b,), topk, dtype=torch.int32, device=q.device)
         lengths = (topk_length if topk_length is not None else self.topk_len).clamp(1, topk)
-        sched = torch.empty(parts, 8, dtype=torch.int32, device=q.device)
-        splits = torch.empty(b + 1, dtype=torch.int32, device=q.device)
-        scheduler(lengths, sched, splits)
-        meta.tile_scheduler_metadata, meta.num_splits = sched, splits
-        self.o_accum = torch.empty(b + parts, 1, s_q * h_q, 512, dtype=torch.float32, device=q.device)
-        self.lse_accum = torch.empty(b + parts, 1, s_q * h_q, dtype=torch.float32, device=q.device)
+        self.o_accum, self.lse_accum = _split_workspace(
+            meta, lengths, parts, schedule.split_fixed_cost, b, 1, s_q * h_q, q.device
+        )
 
 
 def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
                   schedule: SparseDecodeSchedule):
-    plan = meta._state.get("sparse")
     has_sink = attn_sink is not None
-    if first or plan is None:
-        schedule.validate()
-        plan = SparsePlan(q, indices.shape[-1], topk_length, has_sink, schedule, meta)
-        meta._state["sparse"] = plan
-    elif plan.schedule != schedule:
-        raise ValueError(
-            f"tile_scheduler_metadata was computed with schedule {plan.schedule}, this call asks for {schedule}; "
-            "call get_mla_metadata() again to change the schedule"
-        )
+    plan = _reused_plan(meta, "sparse", first, schedule)
+    if plan is None:
+        plan = meta._state["sparse"] = SparsePlan(q, indices.shape[-1], topk_length, has_sink, schedule, meta)
     elif plan.has_sink != has_sink:
         raise ValueError(
             "attn_sink must be given on every call with this tile_scheduler_metadata or on none "
             f"(first call: {'given' if plan.has_sink else 'None'})"
         )
-    out = torch.empty(plan.b, plan.s_q, plan.h_q, 512, dtype=q.dtype, device=q.device)
-    lse = torch.empty(plan.b, plan.h_q, plan.s_q, dtype=torch.float32, device=q.device)
-    cache = k_cache.view(torch.uint8).view(torch.int32)[:, :, 0]
+    out, lse = _outputs(plan, q.device)
     plan.step(
         q if _aligned(q) else _packed_copy(q),
-        cache,
+        k_cache.view(torch.int32).select(2, 0),  # the 656-byte rows as 164 int32 words (a view)
         indices if indices.stride(-1) == 1 else indices.contiguous(),
         topk_length if topk_length is not None else plan.topk_len,
         meta.tile_scheduler_metadata, meta.num_splits, out, lse, plan.o_accum, plan.lse_accum,
