@@ -1,10 +1,10 @@
 """Schedules as plain Python data, and the split-KV planner (imported as ``mla_cute.schedules``)."""
 
+from .checks import SMEM_CAPACITY
 from .dense import (
     DEFAULT_DENSE_SCHEDULE,
     PREFETCH_DENSE_SCHEDULE,
     SERIAL_DENSE_SCHEDULE,
-    SMEM_CAPACITY,
     DenseDecodeSchedule,
 )
 from .sparse import (

@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-# Per-SM shared memory a CTA may use on Hopper (227 KiB).
-SMEM_CAPACITY = 232448
+from .checks import check_bool, check_kv_stages, check_smem, check_split_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,24 +46,13 @@ class DenseDecodeSchedule:
 
     def validate(self) -> None:
         """Reject impossible schedules before compiling, with the reason."""
-        if not isinstance(self.kv_stages, int) or self.kv_stages < 1:
-            raise ValueError(f"kv_stages must be an int >= 1, got {self.kv_stages!r}")
-        if not isinstance(self.qk_prefetch, bool):
-            raise ValueError(f"qk_prefetch must be a bool, got {self.qk_prefetch!r}")
+        check_kv_stages(self)
+        check_bool("qk_prefetch", self.qk_prefetch)
         if self.qk_prefetch and self.kv_stages < 2:
             raise ValueError("qk_prefetch needs kv_stages >= 2 (the next tile must be resident)")
-        if not isinstance(self.kv_evict_first, bool):
-            raise ValueError(f"kv_evict_first must be a bool, got {self.kv_evict_first!r}")
-        if not isinstance(self.split_fixed_cost, int) or self.split_fixed_cost < 0:
-            raise ValueError(f"split_fixed_cost must be an int >= 0, got {self.split_fixed_cost!r}")
-        if self.num_sm_parts is not None and (not isinstance(self.num_sm_parts, int) or self.num_sm_parts < 1):
-            raise ValueError(f"num_sm_parts must be None or an int >= 1, got {self.num_sm_parts!r}")
-        need = self.smem_bytes()
-        if need > SMEM_CAPACITY:
-            raise ValueError(
-                f"schedule needs {need} bytes of shared memory (kv_stages={self.kv_stages}), "
-                f"more than the {SMEM_CAPACITY} a Hopper CTA can have"
-            )
+        check_bool("kv_evict_first", self.kv_evict_first)
+        check_split_policy(self)
+        check_smem(self)
 
 
 DEFAULT_DENSE_SCHEDULE = DenseDecodeSchedule()
