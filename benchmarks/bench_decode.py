@@ -97,18 +97,28 @@ def run(configs, schedule_name="default"):
     return rows
 
 
-def table(rows, anchor):
-    ref = {(r["b"], r["s_q"], r["h_q"], r["s_k"]): r for r in anchor}
-    lines = ["| schedule | b | s_q | h_q | s_k | us | TFLOP/s | GB/s | rel_err | FlashMLA us | ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+def table(rows, anchor, keys=("b", "s_q", "h_q", "s_k")):
+    """Markdown table of ``rows`` against the anchor rows with the same ``keys``; sets each row's
+    ``anchor_us`` and ``ratio`` (anchor time / ours)."""
+    ref = {tuple(r[k] for k in keys): r for r in anchor}
+    head = ["schedule", *keys, "us", "TFLOP/s", "GB/s", "rel_err", "FlashMLA us", "ratio"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        a = ref.get((r["b"], r["s_q"], r["h_q"], r["s_k"]))
-        ratio = a["us"] / r["us"] if a else float("nan")
+        a = ref.get(tuple(r[k] for k in keys))
         r["anchor_us"] = a["us"] if a else None
-        r["ratio"] = ratio
-        lines.append(f"| {r['schedule']} | {r['b']} | {r['s_q']} | {r['h_q']} | {r['s_k']} | {r['us']:.1f} | {r['tflops']:.0f} | "
-                     f"{r['gbps']:.0f} | {r['rel_err']:.2e} | {a['us'] if a else float('nan'):.1f} | {ratio:.2f} |")
+        r["ratio"] = a["us"] / r["us"] if a else float("nan")
+        cells = [r["schedule"], *(str(r[k]) for k in keys), f"{r['us']:.1f}", f"{r['tflops']:.0f}", f"{r['gbps']:.0f}",
+                 f"{r['rel_err']:.2e}", f"{a['us'] if a else float('nan'):.1f}", f"{r['ratio']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def save(path, rows, method: str) -> None:
+    """The rows as JSON, with the device, versions and timing method."""
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
+                method=method)
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
 def main():
@@ -125,10 +135,7 @@ def main():
     anchor = json.load(open(args.anchor)) if os.path.exists(args.anchor) else []
     print(table(rows, anchor))
     if args.out:
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
-                    method="median of triton.testing.do_bench(warmup=20, rep=200), whole call")
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        save(args.out, rows, "median of triton.testing.do_bench(warmup=20, rep=200), whole call")
 
 
 if __name__ == "__main__":

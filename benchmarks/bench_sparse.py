@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 
 import torch
 
 import mla_cute
-from bench_decode import bench
+from bench_decode import bench, save, table
 
 CONFIGS = [  # (b, s_q, h_q, s_k, topk): the anchor's rows
     (2, 2, 128, 32768, 2048), (64, 2, 128, 32768, 2048), (74, 2, 128, 32768, 2048), (128, 2, 128, 32768, 2048),
@@ -84,20 +83,6 @@ def run(configs, schedule_name="default"):
     return rows
 
 
-def table(rows, anchor):
-    ref = {(r["b"], r["s_q"], r["h_q"], r["s_k"], r["topk"]): r for r in anchor}
-    lines = ["| schedule | b | s_q | h_q | s_k | topk | us | TFLOP/s | GB/s | rel_err | FlashMLA us | ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        a = ref.get((r["b"], r["s_q"], r["h_q"], r["s_k"], r["topk"]))
-        r["anchor_us"] = a["us"] if a else None
-        r["ratio"] = a["us"] / r["us"] if a else float("nan")
-        lines.append(f"| {r['schedule']} | {r['b']} | {r['s_q']} | {r['h_q']} | {r['s_k']} | {r['topk']} | "
-                     f"{r['us']:.1f} | {r['tflops']:.0f} | {r['gbps']:.0f} | {r['rel_err']:.2e} | "
-                     f"{a['us'] if a else float('nan'):.1f} | {r['ratio']:.2f} |")
-    return "\n".join(lines)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -110,12 +95,9 @@ def main():
     for name in args.schedules.split(","):
         rows += run(configs, name)
     anchor = json.load(open(args.anchor)) if os.path.exists(args.anchor) else []
-    print(table(rows, anchor))
+    print(table(rows, anchor, keys=("b", "s_q", "h_q", "s_k", "topk")))
     if args.out:
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
-                    method="median of triton.testing.do_bench(warmup=10, rep=100), whole call")
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        save(args.out, rows, "median of triton.testing.do_bench(warmup=10, rep=100), whole call")
 
 
 if __name__ == "__main__":
