@@ -18,24 +18,39 @@ def _sym(div: int = 1, width: int = 32):
     return cute.sym_int(width, divisibility=div)
 
 
+def _s64():
+    return _sym(8, 64)  # 16-byte aligned strides of 16-bit tensors, as TMA needs
+
+
+def _split_io(dtype, b, s_q: int, h_q: int, h_kv: int):
+    """Fake scheduler records and split counts, FlashMLA's out / lse, and the fp32 partials:
+    (sched, num_splits, out, lse, o_accum, lse_accum), as every decode step takes them."""
+    rows = s_q * (h_q // h_kv)
+    splits = _sym()
+    order4 = (3, 2, 1, 0)
+    return (
+        make_fake_compact_tensor(cutlass.Int32, (_sym(), 8), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
+        make_fake_compact_tensor(dtype, (b, s_q, h_q, D_V), stride_order=order4, assumed_align=16),
+        make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows, D_V), stride_order=order4, assumed_align=16),
+        make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16),
+    )
+
+
+def _scale_and_stream():
+    return cutlass.Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
 def dense_decode_signature(dtype, s_q: int, h_q: int, h_kv: int, page: int):
     """Fake tensors matching ``DenseDecodeKernel.__call__``."""
     rows = s_q * (h_q // h_kv)
-    b, nb, mb, parts, splits = _sym(), _sym(), _sym(), _sym(), _sym()
-    s64 = lambda: _sym(8, 64)  # noqa: E731  (16-byte aligned strides, as TMA needs)
-    q = make_fake_tensor(dtype, (b, rows, h_kv, D_QK), (s64(), s64(), s64(), 1), assumed_align=16)
-    k = make_fake_tensor(dtype, (nb, page, h_kv, D_QK), (s64(), s64(), s64(), 1), assumed_align=16)
+    b, nb, mb = _sym(), _sym(), _sym()
+    q = make_fake_tensor(dtype, (b, rows, h_kv, D_QK), (_s64(), _s64(), _s64(), 1), assumed_align=16)
+    k = make_fake_tensor(dtype, (nb, page, h_kv, D_QK), (_s64(), _s64(), _s64(), 1), assumed_align=16)
     block_table = make_fake_tensor(cutlass.Int32, (b, mb), (_sym(1, 64), 1), assumed_align=4)
     seqlens = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4)
-    sched = make_fake_compact_tensor(cutlass.Int32, (parts, 8), stride_order=(1, 0), assumed_align=16)
-    num_splits = make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4)
-    order4 = (3, 2, 1, 0)
-    out = make_fake_compact_tensor(dtype, (b, s_q, h_q, D_V), stride_order=order4, assumed_align=16)
-    lse = make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4)
-    o_acc = make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows, D_V), stride_order=order4, assumed_align=16)
-    lse_acc = make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16)
-    return (q, k, block_table, seqlens, sched, num_splits, out, lse, o_acc, lse_acc, cutlass.Float32(1.0),
-            make_fake_stream(use_tvm_ffi_env_stream=True))
+    return (q, k, block_table, seqlens, *_split_io(dtype, b, s_q, h_q, h_kv), *_scale_and_stream())
 
 
 def dense_decode_key(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int, schedule: DenseDecodeSchedule):
@@ -81,19 +96,9 @@ def compile_combine(torch_dtype, s_q: int, h_q: int, h_kv: int, options: str = "
 
     def build():
         dtype = cutlass_dtype(torch_dtype)
-        group, rows = h_q // h_kv, s_q * (h_q // h_kv)
-        b, splits = _sym(), _sym()
-        order4 = (3, 2, 1, 0)
-        args = (
-            make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
-            make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows, D_V), stride_order=order4, assumed_align=16),
-            make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16),
-            make_fake_compact_tensor(dtype, (b, s_q, h_q, D_V), stride_order=order4, assumed_align=16),
-            make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4),
-            None,
-            make_fake_stream(use_tvm_ffi_env_stream=True),
-        )
-        return cute.compile(CombineKernel(dtype, group, s_q), *args, options=compile_options(options))
+        _, num_splits, out, lse, o_acc, lse_acc = _split_io(dtype, _sym(), s_q, h_q, h_kv)
+        args = (num_splits, o_acc, lse_acc, out, lse, None, make_fake_stream(use_tvm_ffi_env_stream=True))
+        return cute.compile(CombineKernel(dtype, h_q // h_kv, s_q), *args, options=compile_options(options))
 
     return cached_compile(key, build, describe=f"combine s_q={s_q} h_q={h_q} h_kv={h_kv}", persistent=not options)
 
@@ -119,26 +124,16 @@ def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool):
     """Fake tensors matching ``SparseDecodeFp8Kernel.__call__`` (and the sparse step)."""
     from .sparse_decode_fp8 import ROW_BYTES
 
-    b, nb, page, topk, parts, splits = _sym(), _sym(), _sym(), _sym(), _sym(), _sym()
-    s64 = lambda: _sym(8, 64)  # noqa: E731
+    b, nb, page, topk = _sym(), _sym(), _sym(), _sym()
     bf16 = cutlass.BFloat16
-    q = make_fake_tensor(bf16, (b, s_q, h_q, D_QK), (s64(), s64(), s64(), 1), assumed_align=16)
+    q = make_fake_tensor(bf16, (b, s_q, h_q, D_QK), (_s64(), _s64(), _s64(), 1), assumed_align=16)
     # The 656-byte rows as int32 words: 16-byte loads need 16-byte aligned rows.
     cache = make_fake_tensor(cutlass.Int32, (nb, page, ROW_BYTES // 4), (_sym(4, 64), ROW_BYTES // 4, 1),
                              assumed_align=16)
     indices = make_fake_tensor(cutlass.Int32, (b, s_q, topk), (_sym(1, 64), _sym(1, 64), 1), assumed_align=4)
     topk_len = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4)
-    sched = make_fake_compact_tensor(cutlass.Int32, (parts, 8), stride_order=(1, 0), assumed_align=16)
-    num_splits = make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4)
-    order4 = (3, 2, 1, 0)
-    rows = s_q * h_q
-    out = make_fake_compact_tensor(bf16, (b, s_q, h_q, D_V), stride_order=order4, assumed_align=16)
-    lse = make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4)
-    o_acc = make_fake_compact_tensor(cutlass.Float32, (splits, 1, rows, D_V), stride_order=order4, assumed_align=16)
-    lse_acc = make_fake_compact_tensor(cutlass.Float32, (splits, 1, rows), stride_order=(2, 1, 0), assumed_align=16)
     sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if has_sink else None
-    return (q, cache, indices, topk_len, sched, num_splits, out, lse, o_acc, lse_acc, sink, cutlass.Float32(1.0),
-            make_fake_stream(use_tvm_ffi_env_stream=True))
+    return (q, cache, indices, topk_len, *_split_io(bf16, b, s_q, h_q, 1), sink, *_scale_and_stream())
 
 
 def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options: str = "", *,
