@@ -76,6 +76,33 @@ def make_smem_layouts(dtype, kv_stages: int):
     return sQ, sK, sV, sP
 
 
+def make_q_pipeline(storage, q_bytes: int):
+    """The Q tile's barrier pair: one TMA producer thread, the 8 consumer warps release it."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.q_mbar.data_ptr(),
+        num_stages=1,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+        tx_count=q_bytes,
+        defer_sync=True,
+    )
+
+
+def operand_tiles(storage, sQ_layout, sK_layout, sV_layout, sP_layout):
+    """sQ, sK, sV (the MN-major view of sK's bytes) and sP over a kernel's shared storage."""
+    sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+    sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+    sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+    sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+    return sQ, sK, sV, sP
+
+
+def row_exchange(storage):
+    """(sMax, sSum): each consumer warpgroup's partial row max and row sum, [64 rows][2]."""
+    layout = cute.make_layout((BLOCK_M, 2))
+    return storage.row_max.get_tensor(layout), storage.row_sum.get_tensor(layout)
+
+
 class SplitKVConsumer:
     """Consumer methods; a kernel class sets ``dtype``, ``kv_stages``, ``causal``, ``group``, ``s_q``."""
 
@@ -296,6 +323,11 @@ class WorkSlice:
     begin_block: Any
     end_block: Any
     begin_split: Any
+
+    @staticmethod
+    def of(mSched, part) -> "WorkSlice":
+        """The record of ``part`` in the scheduler's ``[num_parts, 8]`` table."""
+        return WorkSlice(mSched[part, 0], mSched[part, 1], mSched[part, 2], mSched[part, 3], mSched[part, 4])
 
     @cute.jit
     def blocks(self, req, seqlen):

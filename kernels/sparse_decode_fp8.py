@@ -61,7 +61,10 @@ from .consumer import (
     SplitOutputs,
     WorkSlice,
     make_consumer_mmas,
+    make_q_pipeline,
     make_smem_layouts,
+    operand_tiles,
+    row_exchange,
 )
 from .layouts import lse_rows, out_rows
 
@@ -194,14 +197,7 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_mbar.data_ptr(),
-            num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
-            tx_count=self.q_bytes,
-            defer_sync=True,
-        )
+        q_pipe = make_q_pipeline(storage, self.q_bytes)
         kv_pipe = pipeline.PipelineAsync.create(
             barrier_storage=storage.kv_mbar.data_ptr(),
             num_stages=self.kv_stages,
@@ -221,10 +217,7 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
         else:
             cute.arch.sync_threads()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sQ, sK, sV, sP = operand_tiles(storage, sQ_layout, sK_layout, sV_layout, sP_layout)
         sBias = storage.bias.get_tensor(cute.make_layout((BLOCK_N, self.kv_stages)))
 
         topk = mIndices.shape[2]
@@ -233,7 +226,7 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
         # across the reallocation (it spilled otherwise).
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            work = WorkSlice(mSched[part, 0], mSched[part, 1], mSched[part, 2], mSched[part, 3], mSched[part, 4])
+            work = WorkSlice.of(mSched, part)
             peer = PeerStores(sK_layout, storage.sK.data_ptr(), storage.bias.data_ptr(), rank)
             self.produce(
                 tma_atom_q, tma_q, sQ, sK, sBias, q_pipe, kv_pipe,
@@ -241,12 +234,11 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
             )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            work = WorkSlice(mSched[part, 0], mSched[part, 1], mSched[part, 2], mSched[part, 3], mSched[part, 4])
+            work = WorkSlice.of(mSched, part)
             view = self.consumer_view(mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg_idx - 1, tidx % 128)
             self.consume(
                 view,
-                storage.row_max.get_tensor(cute.make_layout((BLOCK_M, 2))),
-                storage.row_sum.get_tensor(cute.make_layout((BLOCK_M, 2))),
+                *row_exchange(storage),
                 sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work, rank,
             )
         if cutlass.const_expr(self.crossover):
