@@ -68,10 +68,11 @@ def rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out):
 
 
 def run(configs, schedule_name="default"):
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
+    from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE,
+                                    SERIAL_DENSE_SCHEDULE)
 
     schedule = {"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE,
-                "prefetch": PREFETCH_DENSE_SCHEDULE}[schedule_name]
+                "prefetch": PREFETCH_DENSE_SCHEDULE, "seesaw": SEESAW_DENSE_SCHEDULE}[schedule_name]
     rows = []
     for b, s_q, h_q, s_k in configs:
         torch.manual_seed(b * 7 + s_q * 3 + h_q + s_k)
@@ -84,8 +85,8 @@ def run(configs, schedule_name="default"):
 
         out, _ = fn()
         torch.cuda.synchronize()
-        err = rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out) if schedule_name == "default" \
-            else float("nan")
+        err = rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out) if schedule_name in (
+            "default", "seesaw") else float("nan")
         ms = bench(fn)
         us = ms * 1e3
         flops = 2 * b * s_q * h_q * s_k * (576 + 512)
@@ -126,7 +127,7 @@ def main():
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--anchor", default=ANCHOR)
     ap.add_argument("--quick", action="store_true", help="three rows only")
-    ap.add_argument("--schedules", default="default", help="comma list of: default, serial, prefetch")
+    ap.add_argument("--schedules", default="default", help="comma list of: default, serial, prefetch, seesaw")
     args = ap.parse_args()
     configs = CONFIGS[:1] + CONFIGS[6:7] + CONFIGS[-1:] if args.quick else CONFIGS
     rows = []

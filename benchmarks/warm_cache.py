@@ -21,11 +21,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 def configs(subset: str):
     import random
 
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE
+    from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE,
+                                    SERIAL_DENSE_SCHEDULE)
 
-    SERIAL_DENSE_SCHEDULE = PREFETCH_DENSE_SCHEDULE  # the other schedule the tests and benchmarks use
     seen = set()
     import test_dense_decode_gpu as grid
+    from bench_decode import CONFIGS
+
+    if subset == "schedules":  # the tile-position test and the benchmark rows, serial and seesaw
+        for sched in (SERIAL_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE):
+            for dtype, s_q, h_q, h_kv, causal in grid.SCHEDULE_CASES:
+                seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, sched))
+            for b, s_q, h_q, s_k in CONFIGS:
+                seen.add((torch.bfloat16, s_q, h_q, 1, s_q > 1, 64, sched))
+        return sorted(seen, key=repr)
+    SERIAL_DENSE_SCHEDULE = PREFETCH_DENSE_SCHEDULE  # the other schedule the tests and benchmarks use
 
     if subset == "all":
         for b, s_q, s_k, h_q, h_kv, varlen, causal in grid.GRID:
@@ -51,8 +61,6 @@ def configs(subset: str):
     seen.add((torch.bfloat16, 2, 128, 1, True, 64, SERIAL_DENSE_SCHEDULE))
     seen.add((torch.bfloat16, 1, 128, 1, False, 64, SERIAL_DENSE_SCHEDULE))
     seen.add((torch.bfloat16, 2, 64, 1, True, 64, DEFAULT_DENSE_SCHEDULE))
-    from bench_decode import CONFIGS
-
     for b, s_q, h_q, s_k in (CONFIGS if subset == "all" else []):
         for sched in (DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE):
             seen.add((torch.bfloat16, s_q, h_q, 1, s_q > 1, 64, sched))
@@ -90,12 +98,15 @@ def _one(cfg):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--subset", choices=["all", "corner", "sparse"], default="all",
+    ap.add_argument("--subset", choices=["all", "corner", "sparse", "schedules"], default="all",
                     help="corner: skip the parametrized grid (corner, fuzz and runtime tests, benchmarks); "
-                         "sparse: only the sparse decode kernels")
+                         "sparse: only the sparse decode kernels; schedules: the dense tile-position test "
+                         "and benchmark rows under the serial and seesaw schedules")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(__file__))
-    todo = ([] if args.subset == "sparse" else configs(args.subset)) + sparse_configs()
+    todo = [] if args.subset == "sparse" else configs(args.subset)
+    if args.subset != "schedules":
+        todo += sparse_configs()
     print(f"{len(todo)} configurations", flush=True)
     with ProcessPoolExecutor(args.jobs) as pool:
         for i, cfg in enumerate(pool.map(_one, todo)):

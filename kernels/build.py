@@ -12,6 +12,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 
 from ..schedules.dense import DenseDecodeSchedule  # noqa: E402
 from .dense_decode import D_QK, D_V, DenseDecodeKernel  # noqa: E402
+from .dense_seesaw import DenseSeesawKernel  # noqa: E402
 
 
 def _sym(div: int = 1, width: int = 32):
@@ -61,7 +62,7 @@ def dense_decode_key(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, p
 def _describe(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) -> str:
     return (f"{str(torch_dtype).replace('torch.', '')} s_q={s_q} h_q={h_q} h_kv={h_kv} causal={causal} "
             f"page={page} kv_stages={schedule.kv_stages} qk_prefetch={schedule.qk_prefetch} "
-            f"kv_evict_first={schedule.kv_evict_first}")
+            f"kv_evict_first={schedule.kv_evict_first} seesaw={schedule.seesaw}")
 
 
 def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int,
@@ -74,7 +75,8 @@ def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: boo
     def build():
         dtype = cutlass_dtype(torch_dtype)
         group = h_q // h_kv
-        kernel = DenseDecodeKernel(dtype, s_q * group, group, s_q, causal and s_q > 1, page, schedule)
+        kind = DenseSeesawKernel if schedule.seesaw else DenseDecodeKernel
+        kernel = kind(dtype, s_q * group, group, s_q, causal and s_q > 1, page, schedule)
         if with_combine:
             from .combine import CombineKernel
             from .dense_step import DenseDecodeStep

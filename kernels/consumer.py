@@ -242,8 +242,11 @@ class SplitKVConsumer:
         warpgroup.wait_group(0)
 
     @cute.jit
-    def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, tile):
-        """Normalise and write this request's rows of ``tile``: final output, or an fp32 partial."""
+    def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, tile, max2=None):
+        """Normalise and write this request's rows of ``tile``: final output, or an fp32 partial.
+
+        ``max2``: the rows' final max in log2 units, where the kernel keeps it (the seesaw
+        kernel's shared row max); None: ``rows.row_max`` times ``scale_log2``."""
         acc_o, wg, tid, row0 = v.acc_o, v.wg, v.tid, rows.row0
         row_sum = rows.row_sum
         for i in cutlass.range_constexpr(2):
@@ -259,7 +262,10 @@ class SplitKVConsumer:
             lse2[i] = -cutlass.Float32.inf
             if total > 0.0:
                 inv[i] = 1.0 / total
-                lse2[i] = rows.row_max[i] * scale_log2 + cute.math.log2(total, fastmath=False)
+                if cutlass.const_expr(max2 is None):
+                    lse2[i] = rows.row_max[i] * scale_log2 + cute.math.log2(total, fastmath=False)
+                else:
+                    lse2[i] = max2[i] + cute.math.log2(total, fastmath=False)
         # Both warpgroups read sSum above; the next request's writes come after later barriers.
 
         n_splits = outs.num_splits[req + 1] - outs.num_splits[req]

@@ -4,6 +4,7 @@ from .checks import SMEM_CAPACITY
 from .dense import (
     DEFAULT_DENSE_SCHEDULE,
     PREFETCH_DENSE_SCHEDULE,
+    SEESAW_DENSE_SCHEDULE,
     SERIAL_DENSE_SCHEDULE,
     DenseDecodeSchedule,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "DEFAULT_DENSE_SCHEDULE",
     "SERIAL_DENSE_SCHEDULE",
     "PREFETCH_DENSE_SCHEDULE",
+    "SEESAW_DENSE_SCHEDULE",
     "SMEM_CAPACITY",
     "DenseDecodeSchedule",
     "DEFAULT_SPARSE_SCHEDULE",

@@ -22,7 +22,11 @@ class DenseDecodeSchedule:
         cores could work while the CUDA cores do the softmax (needs kv_stages >= 2).
         Measured slower on the H200 (docs/performance.md), so off by default.
     kv_evict_first: load KV tiles with the L2 evict-first policy (they are read once).
-        Measured no faster on the H200, so off by default.
+        Measured no faster on the H200 with the serial schedule, so off by default.
+    seesaw: the seesaw kernel (``kernels/dense_seesaw.py``): two warpgroups on a tile pair,
+        each owning half of the output, one's softmax overlapping the other's tensor cores;
+        tiles arrive as nine 64 x 64 sub-tiles with their own barriers.  Needs kv_stages == 2
+        (the pair) and qk_prefetch off (the pair already overlaps S with the softmax).
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     num_sm_parts: CTAs per (KV head, M tile); None = FlashMLA's rule from the SM count.
     """
@@ -30,18 +34,22 @@ class DenseDecodeSchedule:
     kv_stages: int = 2
     qk_prefetch: bool = False
     kv_evict_first: bool = False
+    seesaw: bool = False
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
-        return (self.kv_stages, self.qk_prefetch, self.kv_evict_first)
+        return (self.kv_stages, self.qk_prefetch, self.kv_evict_first, self.seesaw)
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         q = 64 * 576 * elem_bytes
         kv = self.kv_stages * 64 * 576 * elem_bytes
-        p = 64 * 64 * elem_bytes
-        small = 2 * 64 * 4 * 2 + 64 * 8 * (self.kv_stages + 2)
+        p = 64 * 64 * elem_bytes  # the seesaw's second P lives in Q's RoPE bytes
+        if self.seesaw:
+            small = 3 * 2 * 64 * 4 + 8 * (2 + 2 * 9)
+        else:
+            small = 2 * 64 * 4 * 2 + 64 * 8 * (self.kv_stages + 2)
         return q + kv + p + small
 
     def validate(self) -> None:
@@ -51,6 +59,12 @@ class DenseDecodeSchedule:
         if self.qk_prefetch and self.kv_stages < 2:
             raise ValueError("qk_prefetch needs kv_stages >= 2 (the next tile must be resident)")
         check_bool("kv_evict_first", self.kv_evict_first)
+        check_bool("seesaw", self.seesaw)
+        if self.seesaw and self.kv_stages != 2:
+            raise ValueError(f"seesaw needs kv_stages == 2 (one tile pair), got {self.kv_stages}")
+        if self.seesaw and self.qk_prefetch:
+            raise ValueError("seesaw and qk_prefetch cannot both be on: the seesaw already overlaps S "
+                             "with the softmax")
         check_split_policy(self)
         check_smem(self)
 
@@ -61,3 +75,5 @@ DEFAULT_DENSE_SCHEDULE = DenseDecodeSchedule()
 SERIAL_DENSE_SCHEDULE = DenseDecodeSchedule(qk_prefetch=False, kv_evict_first=False)
 # The next tile's QK^T issued before this tile's softmax, KV loads marked evict-first.
 PREFETCH_DENSE_SCHEDULE = DenseDecodeSchedule(qk_prefetch=True, kv_evict_first=True)
+# FlashMLA's schedule: the seesaw on tile pairs, sub-tile barriers, evict-first KV loads.
+SEESAW_DENSE_SCHEDULE = DenseDecodeSchedule(seesaw=True, kv_evict_first=True)

@@ -55,6 +55,28 @@ def test_dense_decode_uses_wgmma_tma_mbarriers_without_spills(dtype, s_q, h_q, h
     _check_register_split(ptx, regs)
 
 
+def test_dense_seesaw_splits_tiles_into_sub_tile_copies_without_spills(capfd):
+    """The seesaw kernel: 9 TMA sub-tile copies per tile with their own barriers, S = Q K^T partly with
+    Q's RoPE part from registers, P V from registers and from shared memory, no WGMMA serialization."""
+    from mla_cute.kernels.build import compile_dense_decode
+    from mla_cute.schedules import SEESAW_DENSE_SCHEDULE
+
+    fn = compile_dense_decode(torch.bfloat16, 2, 128, 1, True, 64, SEESAW_DENSE_SCHEDULE, options=OPTIONS)
+    ptx = fn.__ptx__
+    assert ptx.count("wgmma.mma_async") >= 4 * 36
+    assert ptx.count("cp.async.bulk.tensor") >= 1 + 9 + 9
+    assert ptx.count("mbarrier.arrive.expect_tx") >= 19
+    # P and Q's RoPE columns as register A operands (the .f32.bf16.bf16 form with {...} A registers).
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*\{", ptx)
+    assert "setmaxnreg" not in ptx  # both warpgroups do the same work
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    err = capfd.readouterr().err
+    assert "C7514" not in err and "C7517" not in err, "ptxas serialized WGMMA: " + err[:2000]
+    spills, regs = _ptxas_report(err)
+    assert spills and all(sp == (0, 0, 0) for sp in spills), f"stack frame / spills: {spills}"
+    assert max(regs) <= 255
+
+
 def test_combine_and_scheduler_compile_without_spills(capfd):
     from mla_cute.kernels.build import compile_combine, compile_scheduler
 

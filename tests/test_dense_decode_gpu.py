@@ -36,6 +36,49 @@ def run_and_check(case, s_q, causal, *, reuse=1):
     return meta
 
 
+@pytest.fixture(autouse=True)
+def _dense_schedule():
+    """MLA_CUTE_DENSE_SCHEDULE=serial|seesaw|prefetch runs every test here under that schedule."""
+    name = os.environ.get("MLA_CUTE_DENSE_SCHEDULE")
+    if not name:
+        yield
+        return
+    import mla_cute
+
+    with mla_cute.use_schedule(SCHEDULES()[name]):
+        yield
+
+
+def SCHEDULES():
+    from mla_cute import schedules
+
+    return {"serial": schedules.SERIAL_DENSE_SCHEDULE, "seesaw": schedules.SEESAW_DENSE_SCHEDULE,
+            "prefetch": schedules.PREFETCH_DENSE_SCHEDULE}
+
+
+# Lengths that put the last tile of a request at every position of a tile pair (0-5 tiles,
+# partial and full), plus long requests that the planner splits over several CTAs.
+PAIR_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 200, 256, 300, 4096, 5000, 17]
+SCHEDULE_CASES = [
+    (torch.bfloat16, 1, 128, 1, False),
+    (torch.bfloat16, 2, 128, 1, True),
+    (torch.float16, 2, 64, 1, True),
+    (torch.bfloat16, 4, 16, 1, True),
+    (torch.bfloat16, 1, 9, 3, False),
+]
+
+
+@pytest.mark.parametrize("name", ["serial", "seesaw"])
+@pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", SCHEDULE_CASES)
+def test_schedule_tile_positions(name, dtype, s_q, h_q, h_kv, causal):
+    import mla_cute
+
+    case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, h_q, h_kv, lengths=PAIR_LENGTHS, dtype=dtype,
+                           gen=torch.Generator().manual_seed(s_q * 100 + h_q))
+    with mla_cute.use_schedule(SCHEDULES()[name]):
+        run_and_check(case, s_q, causal, reuse=2)
+
+
 def _grid():
     full = os.environ.get("MLA_CUTE_FULL_GRID") == "1"
     bs = [1, 2, 6, 64] if full else [2, 64]
