@@ -67,12 +67,17 @@ def rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out):
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def run(configs, schedule_name="default"):
+def schedule_named(name: str):
+    """default, serial, prefetch or seesaw."""
     from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE,
                                     SERIAL_DENSE_SCHEDULE)
 
-    schedule = {"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE,
-                "prefetch": PREFETCH_DENSE_SCHEDULE, "seesaw": SEESAW_DENSE_SCHEDULE}[schedule_name]
+    return {"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE,
+            "prefetch": PREFETCH_DENSE_SCHEDULE, "seesaw": SEESAW_DENSE_SCHEDULE}[name]
+
+
+def run(configs, schedule_name="default"):
+    schedule = schedule_named(schedule_name)
     rows = []
     for b, s_q, h_q, s_k in configs:
         torch.manual_seed(b * 7 + s_q * 3 + h_q + s_k)

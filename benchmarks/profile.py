@@ -1,9 +1,9 @@
 """Nsight Compute profile of one decode configuration (run on the GPU machine).
 
-    python benchmarks/profile.py --b 128 --s-q 1 --h-q 128 --s-k 4096 [--schedule serial] [--out DIR]
+    python benchmarks/profile.py --b 128 --s-q 1 --h-q 128 --s-k 4096 [--schedule seesaw] [--out DIR]
     python benchmarks/profile.py --sparse --b 128 --s-q 2 --h-q 128 --s-k 32768 --topk 2048
 
-Runs ncu on the split kernel of one call and prints duration, DRAM throughput, tensor-pipe
+Runs ncu on the split kernel of one call (``--kernel combine``: the combine kernel) and prints duration, DRAM throughput, tensor-pipe
 (GMMA) activity, long-scoreboard stalls, executed instructions and global-load sectors.
 """
 
@@ -42,7 +42,8 @@ def workload(args):
     sys.path.insert(0, os.path.dirname(__file__))
     import mla_cute
     from bench_decode import make_inputs
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE
+    from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE,
+                                    SERIAL_DENSE_SCHEDULE)
 
     if args.sparse:
         from bench_sparse import make_inputs as make_sparse, schedules
@@ -54,7 +55,8 @@ def workload(args):
                                             schedule=schedules()[args.schedule])
         torch.cuda.synchronize()
         return
-    sched = PREFETCH_DENSE_SCHEDULE if args.schedule == "prefetch" else DEFAULT_DENSE_SCHEDULE
+    sched = {"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE, "prefetch": PREFETCH_DENSE_SCHEDULE,
+             "seesaw": SEESAW_DENSE_SCHEDULE}[args.schedule]
     q, k_cache, block_table, seqlens = make_inputs(args.b, args.s_q, args.h_q, args.s_k)
     meta, _ = mla_cute.get_mla_metadata()
     for _ in range(3):
@@ -70,7 +72,8 @@ def main():
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--s-k", type=int, default=4096)
     ap.add_argument("--schedule", default="default",
-                    help="dense: default or prefetch; sparse: a name of bench_sparse.schedules()")
+                    help="dense: default, serial, prefetch or seesaw; sparse: a name of bench_sparse.schedules()")
+    ap.add_argument("--kernel", choices=["split", "combine"], default="split")
     ap.add_argument("--sparse", action="store_true", help="profile the sparse FP8 decode kernel")
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--out", default=None, help="folder for the raw ncu csv")
@@ -79,7 +82,10 @@ def main():
     if args.workload:
         workload(args)
         return
-    kernel = "regex:SparseDecodeFp8Kernel" if args.sparse else "regex:DenseDecodeKernel"
+    if args.kernel == "combine":
+        kernel = "regex:CombineKernel"
+    else:
+        kernel = "regex:SparseDecodeFp8Kernel" if args.sparse else "regex:Dense(Decode|Seesaw)Kernel"
     cmd = ["ncu", "--clock-control", "none", "-k", kernel, "--launch-skip", "2", "--launch-count", "1",
            "--metrics", ",".join(METRICS), "--csv", sys.executable, __file__, "--workload",
            "--b", str(args.b), "--s-q", str(args.s_q), "--h-q", str(args.h_q), "--s-k", str(args.s_k),
@@ -92,12 +98,13 @@ def main():
         sys.exit(1)
     rows = list(csv.DictReader(io.StringIO(text[start:])))
     kind = f"sparse topk={args.topk} " if args.sparse else ""
-    print(f"config {kind}b={args.b} s_q={args.s_q} h_q={args.h_q} s_k={args.s_k} schedule={args.schedule}")
+    print(f"config {kind}b={args.b} s_q={args.s_q} h_q={args.h_q} s_k={args.s_k} schedule={args.schedule} "
+          f"kernel={args.kernel}")
     for r in rows:
         print(f"  {r['Metric Name']:75s} {r['Metric Value']:>16s} {r['Metric Unit']}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"ncu_{'sparse_' if args.sparse else ''}{args.schedule}_b{args.b}_sq{args.s_q}_h{args.h_q}_sk{args.s_k}.csv"),
+        with open(os.path.join(args.out, f"ncu_{'sparse_' if args.sparse else ''}{args.schedule}_{args.kernel}_b{args.b}_sq{args.s_q}_h{args.h_q}_sk{args.s_k}.csv"),
                   "w") as f:
             f.write(text[start:])
 

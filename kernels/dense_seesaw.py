@@ -306,10 +306,11 @@ class DenseSeesawKernel(SplitKVConsumer):
             if tidx < 32:
                 self.load_q(loader, req)
                 if n >= 1:
-                    self.load_kv(loader, req, first, 0, 0, NUM_SUB)
+                    self.load_kv(loader, self.tile_location(loader, req, first), 0, 0, NUM_SUB)
                 if n >= 2:
-                    self.load_kv(loader, req, first + 1, 1, 4, NUM_SUB)
-                    self.load_kv(loader, req, first + 1, 1, 0, 4)
+                    loc = self.tile_location(loader, req, first + 1)
+                    self.load_kv(loader, loc, 1, 4, NUM_SUB)
+                    self.load_kv(loader, loc, 1, 0, 4)
             self.start_request(v, rows, sM, sScale, loader, q_phase, tidx)
             # No dynamic branch may enclose the pair loops: a loop inside one would rebind the
             # records it carries in a region their later users cannot see.
@@ -383,6 +384,9 @@ class DenseSeesawKernel(SplitKVConsumer):
     def wg0_pair(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
                  blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr):
         """Tiles blk (buffer 0) and blk + 1 (buffer 1), warpgroup 0's side; leaves S of blk + 2."""
+        if cutlass.const_expr(not blk0_last and not blk1_last):
+            loc2 = self.tile_location(loader, req, blk + 2)
+            loc3 = self.tile_location(loader, req, cutlass.min(blk + 3, last - 1))
         self.softmax_wg0(v, rows, sM, sScale, seqlen, blk, scale_log2, blk0_last or blk1_last)
         bars.scale0.arrive()
         if cutlass.const_expr(blk0_last):
@@ -393,7 +397,7 @@ class DenseSeesawKernel(SplitKVConsumer):
         bars.scale1.arrive_and_wait()
         if cutlass.const_expr(not blk0_last and not blk1_last):
             if v.tid < 32:
-                self.load_kv(loader, req, blk + 2, 0, 0, 4)
+                self.load_kv(loader, loc2, 0, 0, 4)
         # P0 to the final max of the pair, for warpgroup 1's P0 V0_R.
         scale1 = cute.make_rmem_tensor((2,), cutlass.Float32)
         for i in cutlass.range_constexpr(2):
@@ -419,7 +423,7 @@ class DenseSeesawKernel(SplitKVConsumer):
             self.issue_qk(v, 0, (0, 1, 2, 3), flip=False)
             warpgroup.wait_group(4)
             if v.tid < 32 and blk + 3 < last:
-                self.load_kv(loader, req, blk + 3, 1, 0, 4)
+                self.load_kv(loader, loc3, 1, 0, 4)
             self.issue_qk(v, 0, (4, 5, 6, 7, 8), accumulate=True)
         warpgroup.wait_group(0)
 
@@ -427,6 +431,10 @@ class DenseSeesawKernel(SplitKVConsumer):
     def wg1_pair(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
                  blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr, blk2_last: cutlass.Constexpr):
         """Tiles blk and blk + 1, warpgroup 1's side; leaves S of blk + 3."""
+        if cutlass.const_expr(not blk0_last and not blk1_last):
+            loc2 = self.tile_location(loader, req, blk + 2)
+        if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
+            loc3 = self.tile_location(loader, req, blk + 3)
         bars.scale0.arrive_and_wait()
         self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, blk1_last or blk2_last, blk0_last)
         bars.scale1.arrive()
@@ -446,11 +454,11 @@ class DenseSeesawKernel(SplitKVConsumer):
         if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
             warpgroup.wait_group(1)
             if v.tid < 32:
-                self.load_kv(loader, req, blk + 3, 1, 4, NUM_SUB)
+                self.load_kv(loader, loc3, 1, 4, NUM_SUB)
         if cutlass.const_expr(not blk0_last and not blk1_last):
             warpgroup.wait_group(0)
             if v.tid < 32:
-                self.load_kv(loader, req, blk + 2, 0, 4, NUM_SUB)
+                self.load_kv(loader, loc2, 0, 4, NUM_SUB)
         if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
             self.issue_qk(v, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))
         warpgroup.wait_group(0)
@@ -464,11 +472,16 @@ class DenseSeesawKernel(SplitKVConsumer):
         cute.copy(ld.tma_atom_q, ld.tQgQ[None, ld.m_tile, 0, ld.kv_head, req], ld.tQsQ, tma_bar_ptr=ld.q_bar)
 
     @cute.jit
-    def load_kv(self, ld, req, blk, buf: cutlass.Constexpr, lo: cutlass.Constexpr, hi: cutlass.Constexpr):
-        """Sub-tiles [lo, hi) of tile ``blk`` of request ``req`` into buffer ``buf`` (by a whole warp)."""
+    def tile_location(self, ld, req, blk):
+        """(tile within its page, physical page) of tile ``blk``: read from the block table ahead of
+        the copy, so the copying warp does not wait for it."""
         page_idx = blk // self.tiles_per_page
-        tile_in_page = blk - page_idx * self.tiles_per_page
-        phys = ld.block_table[req, page_idx]
+        return blk - page_idx * self.tiles_per_page, ld.block_table[req, page_idx]
+
+    @cute.jit
+    def load_kv(self, ld, loc, buf: cutlass.Constexpr, lo: cutlass.Constexpr, hi: cutlass.Constexpr):
+        """Sub-tiles [lo, hi) of the tile at ``loc`` into buffer ``buf`` (by a whole warp)."""
+        tile_in_page, phys = loc
         for j in cutlass.range_constexpr(lo, hi):
             bar = ld.kv_bar + (buf * NUM_SUB + j)
             with cute.arch.elect_one():
