@@ -1,12 +1,13 @@
 """Plot a dense decode result file against the FlashMLA anchor (needs matplotlib).
 
-    python benchmarks/plot_results.py benchmarks/results/dense_decode_h200.json docs/performance.png
+    python benchmarks/plot_results.py benchmarks/results/dense_decode_h200.json docs/performance.png \
+        [--label "default=seesaw (default)"]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 import matplotlib
 
@@ -14,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main(src: str, dst: str) -> None:
+def main(src: str, dst: str, labels_for: dict) -> None:
     rows = json.load(open(src))["rows"]
     schedules = list(dict.fromkeys(r["schedule"] for r in rows))
     configs = list(dict.fromkeys((r["b"], r["s_q"], r["h_q"], r["s_k"]) for r in rows))
@@ -23,7 +24,8 @@ def main(src: str, dst: str) -> None:
     width = 0.8 / len(schedules)
     for i, name in enumerate(schedules):
         by = {(r["b"], r["s_q"], r["h_q"], r["s_k"]): r["ratio"] for r in rows if r["schedule"] == name}
-        ax.bar([x + i * width for x in range(len(configs))], [by.get(c, 0) for c in configs], width, label=name)
+        ax.bar([x + i * width for x in range(len(configs))], [by.get(c, 0) for c in configs], width,
+               label=labels_for.get(name, name))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([x + width * (len(schedules) - 1) / 2 for x in range(len(configs))], labels, fontsize=7)
     ax.set_ylabel("throughput / FlashMLA")
@@ -34,4 +36,9 @@ def main(src: str, dst: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    ap.add_argument("--label", action="append", default=[], help="SCHEDULE=LEGEND, to rename a legend entry")
+    args = ap.parse_args()
+    main(args.src, args.dst, dict(x.split("=", 1) for x in args.label))

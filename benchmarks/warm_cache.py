@@ -35,7 +35,6 @@ def configs(subset: str):
             for b, s_q, h_q, s_k in CONFIGS:
                 seen.add((torch.bfloat16, s_q, h_q, 1, s_q > 1, 64, sched))
         return sorted(seen, key=repr)
-    SERIAL_DENSE_SCHEDULE = PREFETCH_DENSE_SCHEDULE  # the other schedule the tests and benchmarks use
 
     if subset == "all":
         for b, s_q, s_k, h_q, h_kv, varlen, causal in grid.GRID:
@@ -58,9 +57,10 @@ def configs(subset: str):
     seen.add((torch.bfloat16, 1, 128, 1, False, 128, DEFAULT_DENSE_SCHEDULE))
     seen.add((torch.bfloat16, 1, 64, 1, False, 128, DEFAULT_DENSE_SCHEDULE))
     seen.add((torch.bfloat16, 1, 64, 1, False, 256, DEFAULT_DENSE_SCHEDULE))
-    seen.add((torch.bfloat16, 2, 128, 1, True, 64, SERIAL_DENSE_SCHEDULE))
-    seen.add((torch.bfloat16, 1, 128, 1, False, 64, SERIAL_DENSE_SCHEDULE))
-    seen.add((torch.bfloat16, 2, 64, 1, True, 64, DEFAULT_DENSE_SCHEDULE))
+    seen.add((torch.bfloat16, 1, 128, 1, False, 64, PREFETCH_DENSE_SCHEDULE))
+    for sched in (SERIAL_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE):  # the tile-position test
+        for dtype, s_q, h_q, h_kv, causal in grid.SCHEDULE_CASES:
+            seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, sched))
     for b, s_q, h_q, s_k in (CONFIGS if subset == "all" else []):
         for sched in (DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE):
             seen.add((torch.bfloat16, s_q, h_q, 1, s_q > 1, 64, sched))

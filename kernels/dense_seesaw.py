@@ -18,8 +18,9 @@ consumes sub-tile j as soon as it lands:
   K1 sub-tiles 0-3 (V1_L) refill after WG0's P1 V1_L; 4-8 after WG1's P1 V1_R.
 
 Warpgroup roles (256 threads, one CTA per SM, no register reallocation):
-  WG0  S of the even tiles, O_L; its warp 0 issues the Q copy and each request's first tiles.
-  WG1  S of the odd tiles, O_R.
+  WG0  S of the even tiles, O_L.  Its warp 0 issues each request's Q copy and first tile pair,
+       and the refills of sub-tiles 0-3.
+  WG1  S of the odd tiles, O_R.  Its warp 0 issues the refills of sub-tiles 4-8.
 
 Shared-memory plan (16-bit q/cache; bytes):
   sQ      64 x 576                        73 728  (its last 64 x 64 sub-tile, the RoPE part of Q,
@@ -27,14 +28,18 @@ Shared-memory plan (16-bit q/cache; bytes):
                                                    bytes serve as sP1)
   sK      2 x 64 x 576                   147 456  (V is the first 512 columns of K)
   sP0     64 x 64                          8 192
-  sM, sScale0, sScale1, sSum              1 280   (row max in log2 units; rescale factors; sums)
-  mbarriers: Q; K sub-tiles [2][9]
-Total 230 656 of the 232 448 a CTA may have.
+  sM, sScale, sSum  3 x [64][2] fp32       1 536  (row max in log2 units in sM[:, 0]; the rescale
+                                                   factors of WG0 and WG1; the epilogue's sums)
+  mbarriers: Q; K sub-tiles [2][9]           160
+About 226 KiB of the 227 KiB a CTA may have (``DenseDecodeSchedule.smem_bytes``).
+
+Causal: the tiles no row of the M tile sees are skipped; the scores past a row's end are masked
+only in a request's last two tiles (the rows of an M tile end less than 64 keys apart).
 
 Named barriers (``SeesawBarrier``): SCALE0 (WG0 -> WG1: m0 and sScale0 written), SCALE1
 (WG1 -> WG0: m1 and sScale1 written), P0_READY (WG0 -> WG1: sP0 written), P1_ISSUED
-(WG1 -> WG0: sP1 written, and WG1 read sP0's last use in order), ROW_SUM (both: epilogue),
-MAX_INIT (WG0 only: sM reset for a request).
+(WG1 -> WG0: sP1 written, and P0 V0_R issued), ROW_SUM (both: the epilogue's sums), MAX_INIT
+(WG0 only: sM reset for a request).
 """
 
 from __future__ import annotations
@@ -193,9 +198,7 @@ class DenseSeesawKernel(SplitKVConsumer):
         sP_layout: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        part, m_tile, kv_head = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        tid = tidx % 128
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)

@@ -15,26 +15,27 @@ from .checks import check_bool, check_kv_stages, check_smem, check_split_policy
 
 @dataclasses.dataclass(frozen=True)
 class DenseDecodeSchedule:
-    """Tunables of ``kernels/dense_decode.py``.
+    """Tunables of the dense decode kernels (``kernels/dense_seesaw.py``, ``kernels/dense_decode.py``).
 
     kv_stages: KV tiles in flight (64 x 576 each, 72 KiB in 16-bit): 2 fits next to Q.
-    qk_prefetch: issue the next tile's S = Q K^T before this tile's softmax, so the tensor
-        cores could work while the CUDA cores do the softmax (needs kv_stages >= 2).
-        Measured slower on the H200 (docs/performance.md), so off by default.
-    kv_evict_first: load KV tiles with the L2 evict-first policy (they are read once).
-        Measured no faster on the H200 with the serial schedule, so off by default.
-    seesaw: the seesaw kernel (``kernels/dense_seesaw.py``): two warpgroups on a tile pair,
-        each owning half of the output, one's softmax overlapping the other's tensor cores;
-        tiles arrive as nine 64 x 64 sub-tiles with their own barriers.  Needs kv_stages == 2
-        (the pair) and qk_prefetch off (the pair already overlaps S with the softmax).
+    seesaw: the seesaw kernel (``kernels/dense_seesaw.py``, the default): two warpgroups on a
+        tile pair, each owning half of the output, one's softmax overlapping the other's tensor
+        cores; tiles arrive as nine 64 x 64 sub-tiles with their own barriers.  Needs
+        kv_stages == 2 (the pair) and qk_prefetch off.  False: the serial kernel
+        (``kernels/dense_decode.py``: a TMA producer warpgroup, every step of a tile waiting for
+        the previous one), measured 10-20% slower on the compute-bound rows (docs/performance.md).
+    qk_prefetch: serial kernel only: issue the next tile's S = Q K^T before this tile's softmax.
+        Measured slower on the H200, so off.
+    kv_evict_first: load KV tiles with the L2 evict-first policy (they are read once).  On in the
+        seesaw (as in FlashMLA); measured no faster with the serial kernel, so off there.
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     num_sm_parts: CTAs per (KV head, M tile); None = FlashMLA's rule from the SM count.
     """
 
     kv_stages: int = 2
     qk_prefetch: bool = False
-    kv_evict_first: bool = False
-    seesaw: bool = False
+    kv_evict_first: bool = True
+    seesaw: bool = True
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
 
@@ -61,19 +62,21 @@ class DenseDecodeSchedule:
         check_bool("kv_evict_first", self.kv_evict_first)
         check_bool("seesaw", self.seesaw)
         if self.seesaw and self.kv_stages != 2:
-            raise ValueError(f"seesaw needs kv_stages == 2 (one tile pair), got {self.kv_stages}")
+            raise ValueError(f"seesaw needs kv_stages == 2 (one tile pair), got {self.kv_stages}; "
+                             "set seesaw=False for another stage count")
         if self.seesaw and self.qk_prefetch:
-            raise ValueError("seesaw and qk_prefetch cannot both be on: the seesaw already overlaps S "
-                             "with the softmax")
+            raise ValueError("qk_prefetch is a serial-kernel option (the seesaw already overlaps S with the "
+                             "softmax); set seesaw=False to use it")
         check_split_policy(self)
         check_smem(self)
 
 
-DEFAULT_DENSE_SCHEDULE = DenseDecodeSchedule()
-# The first schedule, every step of a tile waiting for the previous one; every change is
-# measured against it (today it is also the default: nothing measured better yet).
-SERIAL_DENSE_SCHEDULE = DenseDecodeSchedule(qk_prefetch=False, kv_evict_first=False)
-# The next tile's QK^T issued before this tile's softmax, KV loads marked evict-first.
-PREFETCH_DENSE_SCHEDULE = DenseDecodeSchedule(qk_prefetch=True, kv_evict_first=True)
 # FlashMLA's schedule: the seesaw on tile pairs, sub-tile barriers, evict-first KV loads.
-SEESAW_DENSE_SCHEDULE = DenseDecodeSchedule(seesaw=True, kv_evict_first=True)
+SEESAW_DENSE_SCHEDULE = DenseDecodeSchedule()
+DEFAULT_DENSE_SCHEDULE = SEESAW_DENSE_SCHEDULE
+# The first schedule, every step of a tile waiting for the previous one; kept selectable so every
+# gain is measured against it.
+SERIAL_DENSE_SCHEDULE = DenseDecodeSchedule(seesaw=False, kv_evict_first=False)
+# The serial kernel with the next tile's QK^T issued before this tile's softmax, KV loads
+# marked evict-first (measured slower).
+PREFETCH_DENSE_SCHEDULE = DenseDecodeSchedule(seesaw=False, qk_prefetch=True, kv_evict_first=True)

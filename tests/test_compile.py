@@ -26,16 +26,17 @@ def _dump_dir(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "dtype,s_q,h_q,h_kv,causal,schedule",
     [
-        (torch.bfloat16, 1, 128, 1, False, "default"),
-        (torch.float16, 2, 64, 1, True, "default"),
-        (torch.bfloat16, 4, 9, 3, True, "serial"),
+        (torch.bfloat16, 1, 128, 1, False, "serial"),
+        (torch.float16, 2, 64, 1, True, "serial"),
+        (torch.bfloat16, 4, 9, 3, True, "prefetch"),
     ],
 )
 def test_dense_decode_uses_wgmma_tma_mbarriers_without_spills(dtype, s_q, h_q, h_kv, causal, schedule, capfd):
+    """The serial kernel (a TMA producer warpgroup handing its registers to two consumers)."""
     from mla_cute.kernels.build import compile_dense_decode
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
+    from mla_cute.schedules import PREFETCH_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
 
-    sched = DEFAULT_DENSE_SCHEDULE if schedule == "default" else SERIAL_DENSE_SCHEDULE
+    sched = SERIAL_DENSE_SCHEDULE if schedule == "serial" else PREFETCH_DENSE_SCHEDULE
     fn = compile_dense_decode(dtype, s_q, h_q, h_kv, causal, 64, sched, options=OPTIONS)
     ptx = fn.__ptx__
     assert ptx, "no PTX kept"
@@ -59,8 +60,9 @@ def test_dense_seesaw_splits_tiles_into_sub_tile_copies_without_spills(capfd):
     """The seesaw kernel: 9 TMA sub-tile copies per tile with their own barriers, S = Q K^T partly with
     Q's RoPE part from registers, P V from registers and from shared memory, no WGMMA serialization."""
     from mla_cute.kernels.build import compile_dense_decode
-    from mla_cute.schedules import SEESAW_DENSE_SCHEDULE
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE
 
+    assert DEFAULT_DENSE_SCHEDULE == SEESAW_DENSE_SCHEDULE
     fn = compile_dense_decode(torch.bfloat16, 2, 128, 1, True, 64, SEESAW_DENSE_SCHEDULE, options=OPTIONS)
     ptx = fn.__ptx__
     assert ptx.count("wgmma.mma_async") >= 4 * 36

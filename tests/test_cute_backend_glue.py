@@ -189,7 +189,7 @@ def test_sparse_schedule_rules():
     with pytest.raises(TypeError, match="SparseDecodeSchedule"):
         _resolve_schedule(DenseDecodeSchedule(), SparseDecodeSchedule)
     x = SparseDecodeSchedule(crossover=True)
-    with mla_cute.use_schedule(x), mla_cute.use_schedule(DenseDecodeSchedule(kv_stages=1)):
+    with mla_cute.use_schedule(x), mla_cute.use_schedule(DenseDecodeSchedule(seesaw=False, kv_stages=1)):
         assert _resolve_schedule(None, SparseDecodeSchedule) is x
         assert _resolve_schedule(None, DenseDecodeSchedule).kv_stages == 1
     assert _resolve_schedule(None, SparseDecodeSchedule) == SparseDecodeSchedule()

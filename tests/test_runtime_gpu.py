@@ -90,4 +90,4 @@ def test_impossible_schedule_rejected_before_compiling():
     case = make_dense_case(2, 1, 100, 64, 1)
     with pytest.raises(ValueError, match="shared memory"):
         mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=mla_cute.get_mla_metadata()[0],
-                                        schedule=DenseDecodeSchedule(kv_stages=3))
+                                        schedule=DenseDecodeSchedule(seesaw=False, kv_stages=3))
