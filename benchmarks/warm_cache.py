@@ -76,8 +76,10 @@ def sparse_configs():
     seen |= {(2, 128, False), (1, 128, False)}  # benchmark rows
     from mla_cute.schedules import SparseDecodeSchedule
 
-    out = [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink) for s_q, h_q, sink in sorted(seen)]
+    whole = SparseDecodeSchedule(crossover=False)  # what the tests run unless they ask for the crossover
+    out = [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink, schedule=whole) for s_q, h_q, sink in sorted(seen)]
     paired = {(s_q, 128, False) for s_q in (1, 2, 3)} | {(2, 128, True), (1, 128, True), (2, 256, False)}
+    paired |= {(2, 64, False)}  # the benchmark's default-schedule rows (the crossover does not pair h_q = 64)
     out += [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink, schedule=SparseDecodeSchedule(crossover=True))
             for s_q, h_q, sink in sorted(paired)]
     return out

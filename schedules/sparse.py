@@ -20,15 +20,15 @@ class SparseDecodeSchedule:
     crossover: pair the 64-head tiles of a query token (h_q = 128: heads 0-63 and 64-127) in a
         2-CTA cluster; each CTA gathers and dequantizes half of every token tile and stores it
         into its own and its peer's shared memory.  Ignored when the head tiles do not pair
-        (h_q <= 64, or an odd number of 64-head tiles).  Off by default: 1.13x faster than the
-        whole-tile gather at b >= 64, h_q = 128 before the index prefetch, equal (0.98-1.00x)
-        after it, on the H200 (docs/performance.md).
+        (h_q <= 64, or an odd number of 64-head tiles).  On by default: 1.04-1.05x faster than the
+        whole-tile gather at b >= 64, h_q = 128 on the H200, once the producer issues a tile's
+        first row loads before waiting for the stage (docs/performance.md).
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     num_sm_parts: CTAs per (query token, 64-head tile); None = FlashMLA's rule from the SM count.
     """
 
     kv_stages: int = 2
-    crossover: bool = False
+    crossover: bool = True
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
 
@@ -53,8 +53,8 @@ class SparseDecodeSchedule:
         check_smem(self)
 
 
-DEFAULT_SPARSE_SCHEDULE = SparseDecodeSchedule()
-# Each CTA gathers all 64 rows of every token tile itself (today also the default).
-NO_CROSSOVER_SPARSE_SCHEDULE = SparseDecodeSchedule(crossover=False)
-# The two 64-head tiles of h_q = 128 share each token tile in a 2-CTA cluster.
+# The two 64-head tiles of h_q = 128 share each token tile in a 2-CTA cluster (the default).
 CROSSOVER_SPARSE_SCHEDULE = SparseDecodeSchedule(crossover=True)
+DEFAULT_SPARSE_SCHEDULE = CROSSOVER_SPARSE_SCHEDULE
+# Each CTA gathers all 64 rows of every token tile itself.
+NO_CROSSOVER_SPARSE_SCHEDULE = SparseDecodeSchedule(crossover=False)

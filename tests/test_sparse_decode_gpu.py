@@ -15,7 +15,12 @@ LSE_ABS, LSE_REL = 1e-6, 8.01 / 65536
 
 
 def run_and_check(case, *, reuse=1, schedule=None):
+    """``schedule=None``: the whole-tile gather (no crossover), so the grid covers that path; the
+    crossover (the default for h_q = 128) has its own tests below."""
     import mla_cute
+    from mla_cute.schedules import NO_CROSSOVER_SPARSE_SCHEDULE
+
+    schedule = schedule or NO_CROSSOVER_SPARSE_SCHEDULE
 
     ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(
         block_table=None, cache_seqlens=None, head_dim_v=512, tile_scheduler_metadata=mla_cute.get_mla_metadata()[0],
@@ -124,8 +129,9 @@ def _crossover():
     return CROSSOVER_SPARSE_SCHEDULE
 
 
-# The tests above run the default schedule (each CTA gathers whole token tiles); those below pair
-# the 64-head tiles of h_q = 128 and 256 in 2-CTA clusters (crossover) on the same cases.
+# The tests above run the whole-tile gather (each CTA gathers whole token tiles); those below pair
+# the 64-head tiles of h_q = 128 and 256 in 2-CTA clusters (the crossover, the default) on the
+# same cases.
 @pytest.mark.parametrize("b,s_q,h_q,s_k,topk,page", [g for g in GRID if g[2] == 128])
 def test_crossover_grid(b, s_q, h_q, s_k, topk, page):
     run_and_check(make_sparse_case(b, s_q, h_q, s_k, topk, page, seed=b * 7 + s_q + h_q + topk),
