@@ -36,9 +36,11 @@ def configs(subset: str):
                 seen.add((torch.bfloat16, s_q, h_q, 1, s_q > 1, 64, sched))
         return sorted(seen, key=repr)
 
-    if subset == "all":
+    if subset in ("all", "grid"):
         for b, s_q, s_k, h_q, h_kv, varlen, causal in grid.GRID:
             seen.add((torch.bfloat16, s_q, h_q, h_kv, causal and s_q > 1, 64, DEFAULT_DENSE_SCHEDULE))
+        if subset == "grid":
+            return sorted(seen, key=repr)
     for seed in range(12):  # test_fuzz draws its configuration the same way
         rng = random.Random(seed)
         h_kv = rng.choice([1, 1, 1, 2, 4])
@@ -100,14 +102,14 @@ def _one(cfg):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--subset", choices=["all", "corner", "sparse", "schedules"], default="all",
+    ap.add_argument("--subset", choices=["all", "corner", "sparse", "schedules", "grid"], default="all",
                     help="corner: skip the parametrized grid (corner, fuzz and runtime tests, benchmarks); "
                          "sparse: only the sparse decode kernels; schedules: the dense tile-position test "
-                         "and benchmark rows under the serial and seesaw schedules")
+                         "and benchmark rows under the serial and seesaw schedules; grid: the dense grid test")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(__file__))
     todo = [] if args.subset == "sparse" else configs(args.subset)
-    if args.subset != "schedules":
+    if args.subset not in ("schedules", "grid"):
         todo += sparse_configs()
     print(f"{len(todo)} configurations", flush=True)
     with ProcessPoolExecutor(args.jobs) as pool:
