@@ -68,12 +68,21 @@ def rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out):
 
 
 def schedule_named(name: str):
-    """default, serial, prefetch or seesaw."""
+    """default, serial, prefetch or seesaw, optionally with fields changed for a sweep:
+    ``seesaw:kv_evict_first=False``, ``default:split_fixed_cost=3,num_sm_parts=64``."""
+    import ast
+    import dataclasses
+
     from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE,
                                     SERIAL_DENSE_SCHEDULE)
 
-    return {"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE,
-            "prefetch": PREFETCH_DENSE_SCHEDULE, "seesaw": SEESAW_DENSE_SCHEDULE}[name]
+    base, _, fields = name.partition(":")
+    sched = {"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE,
+             "prefetch": PREFETCH_DENSE_SCHEDULE, "seesaw": SEESAW_DENSE_SCHEDULE}[base]
+    if fields:
+        changes = dict(f.split("=", 1) for f in fields.split(","))
+        sched = dataclasses.replace(sched, **{k: ast.literal_eval(v) for k, v in changes.items()})
+    return sched
 
 
 def run(configs, schedule_name="default"):
@@ -132,11 +141,14 @@ def main():
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--anchor", default=ANCHOR)
     ap.add_argument("--quick", action="store_true", help="three rows only")
-    ap.add_argument("--schedules", default="default", help="comma list of: default, serial, prefetch, seesaw")
+    ap.add_argument("--schedules", default="default",
+                    help="list of: default, serial, prefetch, seesaw (',' between names; ';' when a name "
+                    "changes fields: 'seesaw;seesaw:kv_evict_first=False')")
     args = ap.parse_args()
     configs = CONFIGS[:1] + CONFIGS[6:7] + CONFIGS[-1:] if args.quick else CONFIGS
     rows = []
-    for name in args.schedules.split(","):
+    sep = ";" if ";" in args.schedules or ":" in args.schedules else ","
+    for name in args.schedules.split(sep):
         rows += run(configs, name)
     anchor = json.load(open(args.anchor)) if os.path.exists(args.anchor) else []
     print(table(rows, anchor))
