@@ -26,15 +26,16 @@ class DenseDecodeSchedule:
         the previous one), measured 10-20% slower on the compute-bound rows (docs/performance.md).
     qk_prefetch: serial kernel only: issue the next tile's S = Q K^T before this tile's softmax.
         Measured slower on the H200, so off.
-    kv_evict_first: load KV tiles with the L2 evict-first policy (they are read once).  On in the
-        seesaw (as in FlashMLA); measured no faster with the serial kernel, so off there.
+    kv_evict_first: load KV tiles with the L2 evict-first policy (they are read once, FlashMLA
+        sets it).  Measured no faster with the serial kernel and 0-2% slower with the seesaw on
+        the H200, so off.
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     num_sm_parts: CTAs per (KV head, M tile); None = FlashMLA's rule from the SM count.
     """
 
     kv_stages: int = 2
     qk_prefetch: bool = False
-    kv_evict_first: bool = True
+    kv_evict_first: bool = False
     seesaw: bool = True
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
@@ -71,12 +72,12 @@ class DenseDecodeSchedule:
         check_smem(self)
 
 
-# FlashMLA's schedule: the seesaw on tile pairs, sub-tile barriers, evict-first KV loads.
+# FlashMLA's schedule: the seesaw on tile pairs, sub-tile barriers.
 SEESAW_DENSE_SCHEDULE = DenseDecodeSchedule()
 DEFAULT_DENSE_SCHEDULE = SEESAW_DENSE_SCHEDULE
 # The first schedule, every step of a tile waiting for the previous one; kept selectable so every
 # gain is measured against it.
-SERIAL_DENSE_SCHEDULE = DenseDecodeSchedule(seesaw=False, kv_evict_first=False)
+SERIAL_DENSE_SCHEDULE = DenseDecodeSchedule(seesaw=False)
 # The serial kernel with the next tile's QK^T issued before this tile's softmax, KV loads
 # marked evict-first (measured slower).
 PREFETCH_DENSE_SCHEDULE = DenseDecodeSchedule(seesaw=False, qk_prefetch=True, kv_evict_first=True)
