@@ -195,6 +195,31 @@ def test_sparse_schedule_rules():
     assert _resolve_schedule(None, SparseDecodeSchedule) == SparseDecodeSchedule()
 
 
+def test_dense_schedule_rules():
+    """The seesaw is the default; the serial kernel's options are rejected on it, with the way out."""
+    import dataclasses
+
+    from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE,
+                                    DenseDecodeSchedule)
+
+    assert DenseDecodeSchedule() == DEFAULT_DENSE_SCHEDULE == SEESAW_DENSE_SCHEDULE
+    assert DEFAULT_DENSE_SCHEDULE.seesaw and not SERIAL_DENSE_SCHEDULE.seesaw
+    assert DEFAULT_DENSE_SCHEDULE.kernel_key() != SERIAL_DENSE_SCHEDULE.kernel_key()
+    for bad, what in ((dict(kv_stages=3), "kv_stages == 2"), (dict(kv_stages=1), "kv_stages == 2"),
+                      (dict(qk_prefetch=True), "qk_prefetch")):
+        with pytest.raises(ValueError, match=what) as err:
+            DenseDecodeSchedule(**bad).validate()
+        assert "seesaw=False" in str(err.value)
+        if bad != dict(kv_stages=3):  # the serial kernel takes these
+            dataclasses.replace(SERIAL_DENSE_SCHEDULE, **bad).validate()
+    with pytest.raises(ValueError, match="shared memory"):
+        DenseDecodeSchedule(seesaw=False, kv_stages=3).validate()
+    with pytest.raises(ValueError, match="seesaw must be a bool"):
+        DenseDecodeSchedule(seesaw=1).validate()
+    # Q, two 64 x 576 tiles, one P and the row buffers fit a Hopper CTA.
+    assert 225 * 1024 < SEESAW_DENSE_SCHEDULE.smem_bytes() <= 232448
+
+
 def test_precompile_sparse_configs(monkeypatch):
     import mla_cute
     from mla_cute.backends import cute
