@@ -242,6 +242,16 @@ class SplitKVConsumer:
         warpgroup.wait_group(0)
 
     @cute.jit
+    def zero_tail_rows(self, sV_half, stage, valid, tid):
+        """Zero V rows (tokens) >= valid in this warpgroup's 256 columns of the stage: rows past the
+        cache length may hold NaN, and 0 * NaN = NaN in P V."""
+        n = (BLOCK_N - valid) * HALF_V
+        for idx in cutlass.range(tid, n, 128, unroll=1):
+            tok = valid + idx // HALF_V
+            col = idx % HALF_V
+            sV_half[col, tok, stage] = self.dtype(0.0)
+
+    @cute.jit
     def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, tile, max2=None):
         """Normalise and write this request's rows of ``tile``: final output, or an fp32 partial.
 

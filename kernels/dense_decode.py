@@ -48,7 +48,6 @@ from .consumer import (
     D_QK,
     D_V,
     HALF_N,
-    HALF_V,
     LengthMask,
     OutputTile,
     SplitKVConsumer,
@@ -68,6 +67,27 @@ from .layouts import lse_rows, out_rows
 L2_EVICT_FIRST = 0x12F0000000000000
 
 
+def set_dense_facts(kernel, dtype, rows: int, group: int, s_q: int, causal: bool, page_size: int) -> None:
+    """The static facts both dense decode kernels (this one and ``dense_seesaw.py``) compile from."""
+    if page_size % BLOCK_N != 0:
+        raise NotImplementedError(f"page_block_size {page_size}: the kernel needs a multiple of {BLOCK_N}")
+    kernel.dtype = dtype
+    kernel.rows = rows  # s_q * group query rows per KV head
+    kernel.group = group  # h_q / h_kv
+    kernel.s_q = s_q
+    kernel.causal = causal
+    kernel.page_size = page_size
+    kernel.m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
+    kernel.tiles_per_page = page_size // BLOCK_N
+
+
+def feature_major(mQ: cute.Tensor, mKCache: cute.Tensor):
+    """q (rows, 576, h_kv, b) and the cache (page, 576, h_kv, num_blocks): feature-contiguous, as TMA wants."""
+    q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+    k = cute.make_tensor(mKCache.iterator, cute.select(mKCache.layout, mode=[1, 3, 2, 0]))
+    return q, k
+
+
 class DenseDecodeKernel(SplitKVConsumer):
     """Static configuration of one compiled dense decode kernel."""
 
@@ -85,20 +105,11 @@ class DenseDecodeKernel(SplitKVConsumer):
         page_size: int,
         schedule: DenseDecodeSchedule,
     ):
-        if page_size % BLOCK_N != 0:
-            raise NotImplementedError(f"page_block_size {page_size}: the kernel needs a multiple of {BLOCK_N}")
         schedule.validate()
-        self.dtype = dtype
-        self.rows = rows  # s_q * group query rows per KV head
-        self.group = group  # h_q / h_kv
-        self.s_q = s_q
-        self.causal = causal
-        self.page_size = page_size
+        set_dense_facts(self, dtype, rows, group, s_q, causal, page_size)
         self.kv_stages = schedule.kv_stages
         self.qk_prefetch = schedule.qk_prefetch
         self.kv_evict_first = schedule.kv_evict_first
-        self.m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
-        self.tiles_per_page = page_size // BLOCK_N
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -117,9 +128,7 @@ class DenseDecodeKernel(SplitKVConsumer):
         scale_log2: cutlass.Float32,
         stream,
     ):
-        # (rows, 576, h_kv, b) and (page, 576, h_kv, num_blocks): feature-contiguous, as TMA wants.
-        q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        k = cute.make_tensor(mKCache.iterator, cute.select(mKCache.layout, mode=[1, 3, 2, 0]))
+        q, k = feature_major(mQ, mKCache)
 
         mma_qk_first, tiled_mma_qk, tiled_mma_pv = make_consumer_mmas(self.dtype)
         sQ_layout, sK_layout, sV_layout, sP_layout = make_smem_layouts(self.dtype, self.kv_stages)
@@ -335,12 +344,3 @@ class DenseDecodeKernel(SplitKVConsumer):
         if valid < BLOCK_N:
             self.zero_tail_rows(v.sV_half, stage, valid, v.tid)
         self.mma_pv(v, bars, stage)
-
-    @cute.jit
-    def zero_tail_rows(self, sV_half, stage, valid, tid):
-        """Zero V rows (tokens) >= valid in this warpgroup's 256 columns of the stage."""
-        n = (BLOCK_N - valid) * HALF_V
-        for idx in cutlass.range(tid, n, 128, unroll=1):
-            tok = valid + idx // HALF_V
-            col = idx % HALF_V
-            sV_half[col, tok, stage] = self.dtype(0.0)

@@ -67,6 +67,7 @@ from .consumer import (
     operand_tiles,
     row_exchange,
 )
+from .dense_decode import feature_major, set_dense_facts
 from .layouts import lse_rows, out_rows
 from .seesaw import NUM_SUB, SUB, SeesawBarriers, SeesawConsumer, make_seesaw_mmas
 
@@ -82,20 +83,11 @@ class DenseSeesawKernel(SeesawConsumer):
 
     def __init__(self, dtype, rows: int, group: int, s_q: int, causal: bool, page_size: int,
                  schedule: DenseDecodeSchedule):
-        if page_size % BLOCK_N != 0:
-            raise NotImplementedError(f"page_block_size {page_size}: the kernel needs a multiple of {BLOCK_N}")
         schedule.validate()
         if not schedule.seesaw:
             raise ValueError("DenseSeesawKernel needs a schedule with seesaw=True")
-        self.dtype = dtype
-        self.rows = rows
-        self.group = group
-        self.s_q = s_q
-        self.causal = causal
-        self.page_size = page_size
+        set_dense_facts(self, dtype, rows, group, s_q, causal, page_size)
         self.kv_evict_first = schedule.kv_evict_first
-        self.m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
-        self.tiles_per_page = page_size // BLOCK_N
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -114,8 +106,7 @@ class DenseSeesawKernel(SeesawConsumer):
         scale_log2: cutlass.Float32,
         stream,
     ):
-        q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        k = cute.make_tensor(mKCache.iterator, cute.select(mKCache.layout, mode=[1, 3, 2, 0]))
+        q, k = feature_major(mQ, mKCache)
 
         sQ_layout, sK_layout, sV_layout, sP_layout = make_smem_layouts(self.dtype, self.kv_stages)
         sub_layout = cute.slice_(
@@ -325,7 +316,7 @@ class DenseSeesawKernel(SeesawConsumer):
         bars.scale0.arrive()
         if cutlass.const_expr(blk0_last):
             self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
-        self.issue_pv_local(v, 0)
+        self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 0)
         warpgroup.wait_group(0)
 
         bars.scale1.arrive_and_wait()
@@ -351,7 +342,7 @@ class DenseSeesawKernel(SeesawConsumer):
                 rows.row_sum[i] = rows.row_sum[i] * scale1[i]
             for e in cutlass.range_constexpr(cute.size(v.acc_o)):
                 v.acc_o[e] = v.acc_o[e] * scale1[(e // 2) % 2]
-            self.issue_pv_shared(v, v.tOrP1, 1)
+            self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
         if cutlass.const_expr(not blk0_last and not blk1_last):
             # S of blk + 2: its first four sub-tiles were refilled first (above).
             self.issue_qk(v, 0, (0, 1, 2, 3), flip=False)
@@ -377,12 +368,12 @@ class DenseSeesawKernel(SeesawConsumer):
             if cutlass.const_expr(blk1_last):
                 self.zero_tail_v(v, 1, seqlen - (blk + 1) * BLOCK_N)
             cute.arch.fence_view_async_shared()
-            self.issue_pv_local(v, 1)
+            self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 1)
 
         bars.p0_ready.arrive_and_wait()
         if cutlass.const_expr(blk0_last):
             self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
-        self.issue_pv_shared(v, v.tOrP0, 0)
+        self.issue_pv(v, v.mmas.pv_ss, v.tOrP0, v.tOrV_ss, 0)
         if cutlass.const_expr(not blk0_last):
             bars.p1_issued.arrive()
         if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):

@@ -125,19 +125,12 @@ class SeesawConsumer(SplitKVConsumer):
             v.kphase[0] = v.kphase[0] ^ 1
 
     @cute.jit
-    def issue_pv_local(self, v, buf: cutlass.Constexpr):
-        """O += P V_half(buf) with P (this warpgroup's, 16-bit) from registers."""
-        warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(v.rPa, mode=[2])):
-            cute.gemm(v.mmas.pv_rs, v.acc_o, v.rPa[None, None, kb], v.tOrV_rs[None, None, kb, buf], v.acc_o)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def issue_pv_shared(self, v, tOrP, buf: cutlass.Constexpr):
-        """O += P V_half(buf) with the other warpgroup's P from shared memory."""
+    def issue_pv(self, v, mma, tOrP, tOrV, buf: cutlass.Constexpr):
+        """O += P V_half(buf): P this warpgroup's from registers (``mma`` = ``v.mmas.pv_rs``, ``tOrP`` =
+        ``v.rPa``) or the other's from shared memory (``v.mmas.pv_ss`` with ``v.tOrP0`` / ``v.tOrP1``)."""
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(v.mmas.pv_ss, v.acc_o, tOrP[None, None, kb], v.tOrV_ss[None, None, kb, buf], v.acc_o)
+            cute.gemm(mma, v.acc_o, tOrP[None, None, kb], tOrV[None, None, kb, buf], v.acc_o)
         warpgroup.commit_group()
 
     @cute.jit
@@ -177,9 +170,11 @@ class SeesawConsumer(SplitKVConsumer):
         return part
 
     @cute.jit
-    def softmax_wg0(self, v, rows, sM, sScale, seqlen, blk, scale_log2, masked: cutlass.Constexpr):
-        """S0 -> P0 against m0 = max(m, rowmax S0); publishes m0 and 2^(m - m0); rescales O_L."""
-        cur = self.row_maxima(v, rows, seqlen, blk, scale_log2, masked)
+    def publish_row_max(self, v, rows, sM, sScale, cur, col: cutlass.Constexpr, chained=None):
+        """Running max m = max(sM, cur) of this thread's rows: writes m to sM and the factor 2^(old - m)
+        to column ``col`` of sScale (one thread per row), returns (factor, base for the exponent).
+        ``chained``: also set to factor * sScale[:, 0] (warpgroup 0's factor of this pair), read
+        before the row's thread publishes."""
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
         base = cute.make_rmem_tensor((2,), cutlass.Float32)
         new_max = cute.make_rmem_tensor((2,), cutlass.Float32)
@@ -187,15 +182,21 @@ class SeesawConsumer(SplitKVConsumer):
             old = sM[rows.row0 + 8 * i, 0]
             new_max[i] = cute.arch.fmax(old, cur[i])
             alpha[i], base[i] = rescale_pair(old, new_max[i])
+            if cutlass.const_expr(chained is not None):
+                chained[i] = alpha[i] * sScale[rows.row0 + 8 * i, 0]
         cute.arch.sync_warp()  # every thread of the row read the old max before it changes
         if v.tid % 4 == 0:
             for i in cutlass.range_constexpr(2):
-                sScale[rows.row0 + 8 * i, 0] = alpha[i]
+                sScale[rows.row0 + 8 * i, col] = alpha[i]
                 sM[rows.row0 + 8 * i, 0] = new_max[i]
-        acc_o = v.acc_o  # a local: stores through a record's attribute inside a branch would rebind it
-        if cutlass.min(alpha[0], alpha[1]) != 1.0:
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
+        return alpha, base
+
+    @cute.jit
+    def softmax_wg0(self, v, rows, sM, sScale, seqlen, blk, scale_log2, masked: cutlass.Constexpr):
+        """S0 -> P0 against m0 = max(m, rowmax S0); publishes m0 and 2^(m - m0); rescales O_L."""
+        cur = self.row_maxima(v, rows, seqlen, blk, scale_log2, masked)
+        alpha, base = self.publish_row_max(v, rows, sM, sScale, cur, 0)
+        rescale_o(v.acc_o, alpha)
         part = self.exp_rows(v, base, scale_log2)
         for i in cutlass.range_constexpr(2):
             rows.row_sum[i] = rows.row_sum[i] * alpha[i] + part[i]
@@ -211,24 +212,10 @@ class SeesawConsumer(SplitKVConsumer):
                 cur[i] = -cutlass.Float32.inf
         else:
             cur = self.row_maxima(v, rows, seqlen, blk, scale_log2, masked)
-        alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
-        base = cute.make_rmem_tensor((2,), cutlass.Float32)
-        new_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+        # O_R is still at the previous pair's max: m_prev -> m0 (warpgroup 0's factor) -> m1.
         total = cute.make_rmem_tensor((2,), cutlass.Float32)
-        for i in cutlass.range_constexpr(2):
-            old = sM[rows.row0 + 8 * i, 0]
-            new_max[i] = cute.arch.fmax(old, cur[i])
-            alpha[i], base[i] = rescale_pair(old, new_max[i])
-            total[i] = alpha[i] * sScale[rows.row0 + 8 * i, 0]
-        cute.arch.sync_warp()
-        if v.tid % 4 == 0:
-            for i in cutlass.range_constexpr(2):
-                sScale[rows.row0 + 8 * i, 1] = alpha[i]
-                sM[rows.row0 + 8 * i, 0] = new_max[i]
-        acc_o = v.acc_o
-        if cutlass.min(total[0], total[1]) != 1.0:
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[e] = acc_o[e] * total[(e // 2) % 2]
+        _, base = self.publish_row_max(v, rows, sM, sScale, cur, 1, chained=total)
+        rescale_o(v.acc_o, total)
         if cutlass.const_expr(empty):
             for i in cutlass.range_constexpr(2):
                 rows.row_sum[i] = rows.row_sum[i] * total[i]
@@ -247,20 +234,20 @@ class SeesawConsumer(SplitKVConsumer):
             cute.arch.fence_view_async_shared()
 
     @cute.jit
-    def zero_tail_rows(self, sV_half, stage, valid, tid):
-        n = (BLOCK_N - valid) * HALF_V
-        for idx in cutlass.range(tid, n, 128, unroll=1):
-            tok = valid + idx // HALF_V
-            col = idx % HALF_V
-            sV_half[col, tok, stage] = self.dtype(0.0)
-
-    @cute.jit
     def final_max(self, rows, sM):
         """The rows' max in log2 units, read before the epilogue's barrier (WG0 resets it after)."""
         max2 = cute.make_rmem_tensor((2,), cutlass.Float32)
         for i in cutlass.range_constexpr(2):
             max2[i] = sM[rows.row0 + 8 * i, 0]
         return max2
+
+
+@cute.jit
+def rescale_o(acc_o, factor):
+    """O rows *= factor (per accumulator row pair); skipped once the row maxima have settled."""
+    if cutlass.min(factor[0], factor[1]) != 1.0:
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[e] = acc_o[e] * factor[(e // 2) % 2]
 
 
 @cute.jit

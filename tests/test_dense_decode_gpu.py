@@ -45,11 +45,11 @@ def _dense_schedule():
         return
     import mla_cute
 
-    with mla_cute.use_schedule(SCHEDULES()[name]):
+    with mla_cute.use_schedule(_schedules()[name]):
         yield
 
 
-def SCHEDULES():
+def _schedules():
     from mla_cute import schedules
 
     return {"serial": schedules.SERIAL_DENSE_SCHEDULE, "seesaw": schedules.SEESAW_DENSE_SCHEDULE,
@@ -75,7 +75,7 @@ def test_schedule_tile_positions(name, dtype, s_q, h_q, h_kv, causal):
 
     case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, h_q, h_kv, lengths=PAIR_LENGTHS, dtype=dtype,
                            gen=torch.Generator().manual_seed(s_q * 100 + h_q))
-    with mla_cute.use_schedule(SCHEDULES()[name]):
+    with mla_cute.use_schedule(_schedules()[name]):
         run_and_check(case, s_q, causal, reuse=2)
 
 
