@@ -3,8 +3,11 @@
 b=128, h_q=128, s_q=1 (the decode shape of the target), short cache (256 tokens) so the GPU
 keeps up.  Each call is timed alone with perf_counter (no synchronisation inside the timed
 region; the queue is drained every 25 calls outside it); median and p90 of 2000 calls.
-Also timed: the pieces (input validation, the two output allocations, the compiled
-split+combine entry called directly).
+
+Rows: the API as users call it (later calls replay the checked plan), the API with every
+check on every call (the first call's path), and its pieces: input validation, the output
+allocations, the compiled split+combine entry called directly, and two one-launch entries
+(the combine alone, the scheduler) that show what one launch and its tensors cost.
 
     python benchmarks/bench_host_overhead.py [--out results.json]
 """
@@ -64,6 +67,26 @@ def main():
         plan.step(rows_q, k_cache, block_table, seqlens, meta.tile_scheduler_metadata, meta.num_splits, out, lse,
                   plan.o_accum, plan.lse_accum, 0.06)
 
+    def api_full_checks():
+        meta._replay = None  # the next call takes the checked path (and sets it again)
+        return api()
+
+    from mla_cute.kernels.build import compile_combine, compile_scheduler
+
+    combine = compile_combine(q.dtype, s_q, h_q, 1)
+    scheduler = compile_scheduler(plan.schedule.split_fixed_cost)
+    sched, splits = meta.tile_scheduler_metadata, meta.num_splits
+    sched_copy, splits_copy = sched.clone(), splits.clone()
+
+    def combine_only():
+        combine(splits, plan.o_accum, plan.lse_accum, out, lse, None)
+
+    def scheduler_only():
+        scheduler(seqlens, sched_copy, splits_copy)
+
+    def one_alloc():
+        torch.empty(b, s_q, h_q, 512, dtype=q.dtype, device="cuda")
+
     def validate():
         V.check_dense(q, k_cache, block_table, seqlens, 512, False)
 
@@ -79,7 +102,9 @@ def main():
     e.record()
     e.synchronize()
     rows = dict(config=dict(b=b, s_q=s_q, h_q=h_q, s_k=s_k, page=page), gpu_us_per_call=s.elapsed_time(e) * 10,
-                api=timeit(api), compiled_entry=timeit(raw), validation=timeit(validate), output_alloc=timeit(alloc))
+                api=timeit(api), api_full_checks=timeit(api_full_checks), compiled_entry=timeit(raw),
+                combine_entry=timeit(combine_only), scheduler_entry=timeit(scheduler_only),
+                validation=timeit(validate), output_alloc=timeit(alloc), one_alloc=timeit(one_alloc))
     for k, v in rows.items():
         print(f"{k:16s} {v}")
     if args.out:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -256,3 +257,137 @@ def test_misaligned_contiguous_q_is_copied_to_aligned_storage(recorder, sparse_r
     cute.sparse_decode(q, fp8, indices, None, None, 0.1, get_mla_metadata()[0], True, SparseDecodeSchedule())
     handed = sparse_recorder["steps"][0][0]
     assert handed.data_ptr() % 16 == 0 and torch.equal(handed, q)
+
+
+# ------------------------------------------------------- replay of a checked dense call
+@pytest.fixture
+def api_on_cute(recorder, monkeypatch):
+    """The public API routed to the cute backend on CPU tensors, counting the full-path checks."""
+    import mla_cute.api as api
+
+    monkeypatch.setattr(api, "select_backend",
+                        lambda device, backend=None: backend or os.environ.get("MLA_CUTE_BACKEND") or "cute")
+    real = api.V.check_dense
+    recorder["checks"] = 0
+
+    def counted(*args):
+        recorder["checks"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(api.V, "check_dense", counted)
+    return recorder
+
+
+def _call(q, k_cache, block_table, seqlens, meta, **kw):
+    import mla_cute
+
+    return mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, **kw)
+
+
+@pytest.mark.parametrize("h_kv", [1, 2])
+def test_replay_skips_the_checks_of_an_identical_call(api_on_cute, h_kv):
+    from mla_cute.api import get_mla_metadata
+
+    q, k_cache, block_table, seqlens = _inputs(h_kv=h_kv)
+    meta = get_mla_metadata()[0]
+    _call(q, k_cache, block_table, seqlens, meta, causal=True)
+    q2 = torch.randn_like(q)  # another tensor with the same facts: a new decode step
+    out, lse = _call(q2, k_cache, block_table, seqlens, meta, causal=True, softmax_scale=0.25)
+    _call(q2, k_cache, block_table, seqlens, meta, causal=True, softmax_scale=1)
+    assert api_on_cute["checks"] == 1, "later calls replay"
+    first, second, third = api_on_cute["steps"]
+    assert third[10] == math.log2(math.e)
+    assert second[6] is out and second[7] is lse and out.shape == (3, 2, 12, 512) and lse.shape == (3, 12, 2)
+    assert all(a is b for a, b in zip(first[1:6] + first[8:10], second[1:6] + second[8:10]))
+    assert math.isclose(second[10], 0.25 * math.log2(math.e), rel_tol=1e-12)
+    assert torch.equal(second[0], cute_rows(q2, h_kv)), "the replay hands over q2's rows"
+
+
+def cute_rows(q, h_kv):
+    from mla_cute.backends.cute import query_rows
+
+    return query_rows(q, h_kv)
+
+
+def _changes(q, k_cache, block_table, seqlens):
+    """Calls that differ from the checked one in one fact each: all must take the checked path."""
+    wide = torch.randn(q.shape[:-1] + (640,)).to(q.dtype)[..., :576]  # other strides
+    wide.copy_(q)
+    raw = torch.empty(q.numel() * 2 + 8, dtype=torch.uint8)  # same strides, base off 16 bytes
+    shifted = raw[8:8 + q.numel() * 2].view(q.dtype).view(q.shape)
+    shifted.copy_(q)
+    return {
+        "q strides": dict(q=wide),
+        "q alignment": dict(q=shifted),
+        "k_cache blocks": dict(k_cache=torch.cat([k_cache, k_cache[:1]])),
+        "block_table width": dict(block_table=torch.zeros(3, 3, dtype=torch.int32)),
+        "lengths tensor": dict(seqlens=seqlens.clone()),
+    }
+
+
+@pytest.mark.parametrize("change", ["q strides", "q alignment", "k_cache blocks", "block_table width",
+                                    "lengths tensor"])
+def test_replay_takes_the_checked_path_when_a_fact_differs(api_on_cute, change):
+    from mla_cute.api import get_mla_metadata
+
+    base = dict(zip(("q", "k_cache", "block_table", "seqlens"), _inputs(h_kv=1)))
+    meta = get_mla_metadata()[0]
+    _call(**base, meta=meta)
+    args = {**base, **_changes(**base)[change]}
+    _call(**args, meta=meta)
+    assert api_on_cute["checks"] == 2
+    q_rows = api_on_cute["steps"][-1][0]
+    assert torch.equal(q_rows, cute_rows(args["q"], 1)) and q_rows.data_ptr() % 16 == 0
+    _call(**args, meta=meta)  # the new facts replay from now on
+    assert api_on_cute["checks"] == 2 and len(api_on_cute["steps"]) == 3
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(q="q"), TypeError, "q must be a torch.Tensor"),
+    (dict(num_splits=4), ValueError, "num_splits"),
+    (dict(schedule="seesaw"), TypeError, "schedule"),
+])
+def test_replay_never_hides_an_error(api_on_cute, bad, error, match):
+    from mla_cute.api import get_mla_metadata
+
+    q, k_cache, block_table, seqlens = _inputs(h_kv=1)
+    meta = get_mla_metadata()[0]
+    _call(q, k_cache, block_table, seqlens, meta)
+    args = dict(q=q, k_cache=k_cache, block_table=block_table, seqlens=seqlens)
+    args.update({k: v for k, v in bad.items() if k in args})
+    with pytest.raises(error, match=match):
+        _call(**args, meta=meta, **{k: v for k, v in bad.items() if k not in args})
+
+
+def test_replay_sees_lengths_written_in_place_and_other_schedules(api_on_cute):
+    import mla_cute
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.schedules import SERIAL_DENSE_SCHEDULE
+
+    q, k_cache, block_table, seqlens = _inputs(h_kv=1)
+    meta = get_mla_metadata()[0]
+    _call(q, k_cache, block_table, seqlens, meta)
+    with pytest.raises(ValueError, match="schedule"):
+        _call(q, k_cache, block_table, seqlens, meta, schedule=SERIAL_DENSE_SCHEDULE)
+    with mla_cute.use_schedule(SERIAL_DENSE_SCHEDULE), pytest.raises(ValueError, match="schedule"):
+        _call(q, k_cache, block_table, seqlens, meta)
+    seqlens[0] += 1
+    with pytest.raises(ValueError, match="cache_seqlens/topk_length values"):
+        _call(q, k_cache, block_table, seqlens, meta)
+
+
+def test_replay_follows_the_backend_variable(api_on_cute, monkeypatch):
+    from mla_cute.api import get_mla_metadata
+
+    q, k_cache, block_table, seqlens = _inputs(h_kv=1)
+    meta = get_mla_metadata()[0]
+    _call(q, k_cache, block_table, seqlens, meta)
+    _call(q, k_cache, block_table, seqlens, meta, backend="cute")
+    assert api_on_cute["checks"] == 1 and len(api_on_cute["steps"]) == 2
+    monkeypatch.setenv("MLA_CUTE_BACKEND", "reference")
+    _call(q, k_cache, block_table, seqlens, meta)
+    assert api_on_cute["checks"] == 2 and len(api_on_cute["steps"]) == 2, "the reference ran the third call"
+    _call(q, k_cache, block_table, seqlens, meta, backend="cute")  # the argument overrides the variable
+    assert api_on_cute["checks"] == 2 and len(api_on_cute["steps"]) == 3

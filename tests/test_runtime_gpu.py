@@ -91,3 +91,32 @@ def test_impossible_schedule_rejected_before_compiling():
     with pytest.raises(ValueError, match="shared memory"):
         mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=mla_cute.get_mla_metadata()[0],
                                         schedule=DenseDecodeSchedule(seesaw=False, kv_stages=3))
+
+
+@pytest.mark.parametrize("h_q,h_kv,s_q,causal", [(128, 1, 1, False), (32, 2, 2, True)])
+def test_metadata_reused_across_layers_and_steps(h_q, h_kv, s_q, causal, monkeypatch):
+    """A decode loop: one metadata object, a cache per layer, new q each call.  After the first call
+    the API replays the checked plan; every call must still match the reference."""
+    import mla_cute
+    import mla_cute.api as api
+
+    checked = []
+    real = api.cute.dense_decode
+    monkeypatch.setattr(api.cute, "dense_decode", lambda *args: checked.append(1) or real(*args))
+
+    b, layers = 12, 3
+    gen = torch.Generator().manual_seed(5)
+    base = make_dense_case(b, s_q, 700, h_q, h_kv, varlen=True, gen=gen)
+    block_table, seqlens = base["block_table"], base["cache_seqlens"]
+    caches = [base["k_cache"]] + [base["k_cache"].clone() for _ in range(layers - 1)]
+    for cache in caches[1:]:
+        refill_cache(cache, block_table, seqlens.cpu(), gen)
+    meta = mla_cute.get_mla_metadata()[0]
+    for step in range(2):
+        for layer, cache in enumerate(caches):
+            q = (torch.randn(base["q"].shape, generator=gen) / 10).clamp(-1, 1).to(base["q"].dtype).cuda()
+            poison_allocator()
+            out, lse = mla_cute.flash_mla_with_kvcache(q, cache, block_table, seqlens, 512, meta, causal=causal)
+            torch.cuda.synchronize()
+            check(out, lse, reference(q, cache, block_table, seqlens, causal))
+    assert len(checked) == 1, "only the first call takes the checked path"

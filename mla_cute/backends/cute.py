@@ -99,9 +99,10 @@ def _outputs(plan, device):
 
 
 class DensePlan:
-    """What a metadata object holds for the cute backend: compiled step, workspace, launch constants."""
+    """What a metadata object holds for the cute backend: compiled step, workspace, launch constants,
+    and (``replay_plan``) the facts of the last call that passed every check."""
 
-    __slots__ = ("schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype")
+    __slots__ = ("schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype", "facts", "q_rows")
 
     def __init__(self, q, k_cache, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens):
         from ..kernels.build import compile_dense_decode
@@ -110,6 +111,7 @@ class DensePlan:
         b, s_q, h_q, _ = q.shape
         page, h_kv = k_cache.shape[1], k_cache.shape[2]
         self.schedule, self.b, self.s_q, self.h_q, self.h_kv, self.dtype = schedule, b, s_q, h_q, h_kv, q.dtype
+        self.facts = self.q_rows = None
         parts = schedule.num_sm_parts or num_sm_parts_for(num_sms(q.device), s_q, h_q, h_kv)
         self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=True)
         self.o_accum, self.lse_accum = _split_workspace(
@@ -126,6 +128,39 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, 
     plan.step(
         query_rows(q, plan.h_kv), k_cache, block_table, cache_seqlens, meta.tile_scheduler_metadata,
         meta.num_splits, out, lse, plan.o_accum, plan.lse_accum, softmax_scale * _LOG2_E,
+    )
+    return out, lse
+
+
+def dense_call_facts(q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcache) -> tuple:
+    """Everything the checks of a dense call read, except the lengths (the metadata tracks those)."""
+    return (
+        q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16,
+        k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.data_ptr() % 16,
+        block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
+        head_dim_v, causal, is_fp8_kvcache,
+    )
+
+
+def replay_plan(meta, q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcache) -> DensePlan:
+    """Mark the metadata's dense plan replayable for calls with the facts of this one (which passed every check)."""
+    plan = meta._state["dense"]
+    plan.facts = dense_call_facts(q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcache)
+    rows = query_rows(q, plan.h_kv)
+    # With one KV head the rows are a plain view of q when the strides allow (same storage): a
+    # replay then only re-views.  Grouped heads reorder, so they always go through query_rows.
+    plan.q_rows = tuple(rows.shape) if plan.h_kv == 1 and rows.data_ptr() == q.data_ptr() else None
+    return plan
+
+
+def replay_dense(plan: DensePlan, q, k_cache, block_table, cache_seqlens, meta, softmax_scale):
+    """The launch of ``dense_decode`` for a call ``replay_plan`` vouched for."""
+    out = torch.empty(plan.b, plan.s_q, plan.h_q, 512, dtype=plan.dtype, device=q.device)
+    lse = torch.empty(plan.b, plan.h_q, plan.s_q, dtype=torch.float32, device=q.device)
+    rows = q.view(plan.q_rows) if plan.q_rows is not None else query_rows(q, plan.h_kv)
+    plan.step(
+        rows, k_cache, block_table, cache_seqlens, meta.tile_scheduler_metadata, meta.num_splits, out, lse,
+        plan.o_accum, plan.lse_accum, softmax_scale * _LOG2_E,
     )
     return out, lse
 
