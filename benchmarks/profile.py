@@ -5,6 +5,9 @@
 
 Runs ncu on the split kernel of one call (``--kernel combine``: the combine kernel) and prints duration, DRAM throughput, tensor-pipe
 (GMMA) activity, long-scoreboard stalls, executed instructions and global-load sectors.
+
+``--source CSV``: instead, sample warp stalls per SASS instruction (ncu's source page) and
+write them as CSV; the top instructions by samples are printed with their stall reasons.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def main():
     ap.add_argument("--sparse", action="store_true", help="profile the sparse FP8 decode kernel")
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--out", default=None, help="folder for the raw ncu csv")
+    ap.add_argument("--source", default=None, help="write per-SASS-instruction stall samples to this CSV")
     ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.workload:
@@ -86,10 +90,14 @@ def main():
         kernel = "regex:CombineKernel"
     else:
         kernel = "regex:SparseDecodeFp8Kernel" if args.sparse else "regex:Dense(Decode|Seesaw)Kernel"
-    cmd = ["ncu", "--clock-control", "none", "-k", kernel, "--launch-skip", "2", "--launch-count", "1",
-           "--metrics", ",".join(METRICS), "--csv", sys.executable, __file__, "--workload",
-           "--b", str(args.b), "--s-q", str(args.s_q), "--h-q", str(args.h_q), "--s-k", str(args.s_k),
-           "--schedule", args.schedule, "--topk", str(args.topk)] + (["--sparse"] if args.sparse else [])
+    target = [sys.executable, __file__, "--workload", "--b", str(args.b), "--s-q", str(args.s_q), "--h-q",
+              str(args.h_q), "--s-k", str(args.s_k), "--schedule", args.schedule, "--topk", str(args.topk)]
+    target += ["--sparse"] if args.sparse else []
+    select = ["ncu", "--clock-control", "none", "-k", kernel, "--launch-skip", "2", "--launch-count", "1"]
+    if args.source:
+        source_page(select, target, args.source)
+        return
+    cmd = select + ["--metrics", ",".join(METRICS), "--csv"] + target
     proc = subprocess.run(cmd, capture_output=True, text=True)
     text = proc.stdout
     start = text.find('"ID"')
@@ -107,6 +115,40 @@ def main():
         with open(os.path.join(args.out, f"ncu_{'sparse_' if args.sparse else ''}{args.schedule}_{args.kernel}_b{args.b}_sq{args.s_q}_h{args.h_q}_sk{args.s_k}.csv"),
                   "w") as f:
             f.write(text[start:])
+
+
+def source_page(select, target, path):
+    """Stall sampling per SASS instruction: profile into a report, export ncu's source page as CSV."""
+    report = path + ".ncu-rep"
+    proc = subprocess.run(select + ["--section", "SourceCounters", "--section", "WarpStateStats", "-f", "-o",
+                                    report[: -len(".ncu-rep")]] + target, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:], proc.stderr[-3000:])
+        sys.exit(1)
+    page = subprocess.run(["ncu", "-i", report, "--page", "source", "--print-source", "sass", "--csv"],
+                          capture_output=True, text=True)
+    text = page.stdout
+    start = text.find('"')
+    with open(path, "w") as f:
+        f.write(text[start:])
+    rows = list(csv.DictReader(io.StringIO(text[start:])))
+    if not rows:
+        print(text[-3000:], page.stderr[-3000:])
+        sys.exit(1)
+    samples = next((k for k in rows[0] if "Sampling" in k and "All" in k), None)
+    print("columns:", list(rows[0]))
+    if samples is None:
+        return
+
+    def count(r):
+        try:
+            return float(r[samples] or 0)
+        except ValueError:
+            return 0.0
+
+    total = sum(count(r) for r in rows) or 1.0
+    for r in sorted(rows, key=count, reverse=True)[:40]:
+        print(f"{100 * count(r) / total:5.1f}%  {r.get('Address', '')}  {r.get('Source', '')[:90]}")
 
 
 if __name__ == "__main__":
