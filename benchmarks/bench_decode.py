@@ -141,11 +141,14 @@ def main():
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--anchor", default=ANCHOR)
     ap.add_argument("--quick", action="store_true", help="three rows only")
+    ap.add_argument("--rows", default=None, help="comma list of row numbers of CONFIGS (0-based)")
     ap.add_argument("--schedules", default="default",
                     help="list of: default, serial, prefetch, seesaw (',' between names; ';' when a name "
                     "changes fields: 'seesaw;seesaw:kv_evict_first=False')")
     args = ap.parse_args()
     configs = CONFIGS[:1] + CONFIGS[6:7] + CONFIGS[-1:] if args.quick else CONFIGS
+    if args.rows:
+        configs = [CONFIGS[int(i)] for i in args.rows.split(",")]
     rows = []
     sep = ";" if ";" in args.schedules or ":" in args.schedules else ","
     for name in args.schedules.split(sep):

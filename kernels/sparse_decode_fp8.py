@@ -268,8 +268,11 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
             valid=cute.make_rmem_tensor((ROWS_IN_FLIGHT,), cutlass.Int32),
         )
         # The indices of the next tile are loaded while this tile's rows are gathered, so a tile
-        # waits for one round trip to memory per batch of rows instead of two.
+        # waits for one round trip to memory per batch of rows instead of two.  With the
+        # crossover they run two tiles ahead, and the next tile's rows are prefetched into L2
+        # while this tile's are on their way (the whole-tile gather has no registers for that).
         next_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
+        ahead_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             limit = cutlass.min(mTopkLen[req], topk)
             first, last = work.blocks(req, cutlass.max(limit, 1))
@@ -281,10 +284,16 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
                 )
             q_state.advance()
             self.load_indices(next_idx, mIndices, req, s_idx, first, limit, peer.rank, row_in_round)
+            if cutlass.const_expr(self.crossover):
+                self.load_indices(ahead_idx, mIndices, req, s_idx, first + 1, limit, peer.rank, row_in_round)
             for blk in cutlass.range(first, last, unroll=1):
                 cur_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
                 cur_idx.store(next_idx.load())
-                if blk + 1 < last:
+                if cutlass.const_expr(self.crossover):
+                    next_idx.store(ahead_idx.load())
+                    if blk + 2 < last:
+                        self.load_indices(ahead_idx, mIndices, req, s_idx, blk + 2, limit, peer.rank, row_in_round)
+                elif blk + 1 < last:
                     self.load_indices(next_idx, mIndices, req, s_idx, blk + 1, limit, peer.rank, row_in_round)
                 if cutlass.const_expr(not self.crossover):
                     # Whole-tile gather: loading first measured no faster here, and makes ptxas
@@ -296,6 +305,9 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
                         idx = cur_idx[g * ROWS_IN_FLIGHT + k]
                         ok = (idx >= 0) & (idx < num_rows)
                         self.load_row(gather, k, mCache, idx, page, ok, lane)
+                    if cutlass.const_expr(self.crossover and g == 0):
+                        if blk + 1 < last:
+                            self.prefetch_rows(mCache, next_idx, page, num_rows, lane)
                     if cutlass.const_expr(self.crossover and g == 0):
                         # The rows are on their way while the consumers of both CTAs still use
                         # the stage (1.04-1.05x).
@@ -325,6 +337,18 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
             dst[r] = -1
             if pos < limit:
                 dst[r] = mIndices[req, s_idx, pos]
+
+    @cute.jit
+    def prefetch_rows(self, mCache, idx_regs, page, num_rows, lane):
+        """Pull this thread's rows of a later tile into L2: lane l the 128-byte line at byte 128 l of each
+        row (lanes 6 and 7 its last byte's line, which a row not aligned to 128 bytes reaches)."""
+        for r in cutlass.range_constexpr(self.rounds):
+            idx = idx_regs[r]
+            if (idx >= 0) & (idx < num_rows):
+                blk_id = idx // page
+                row = mCache[blk_id, idx - blk_id * page, None]  # 164 int32 words
+                word = cutlass.min(lane * (128 // 4), ROW_BYTES // 4 - 1)
+                cute.arch.prefetch((row.iterator + word).llvm_ptr, cache_level="L2")
 
     @cute.jit
     def load_row(self, gather, k, mCache, idx, page, ok, lane):
