@@ -54,8 +54,22 @@ def make_inputs(b, s_q, h_q, s_k, topk, page=64, device="cuda"):
     return q, k_cache, indices
 
 
+def schedule_named(name: str):
+    """A name of ``schedules()``, optionally with fields changed for a sweep:
+    ``crossover:num_sm_parts=16``, ``default:split_fixed_cost=2``."""
+    import ast
+    import dataclasses
+
+    base, _, fields = name.partition(":")
+    sched = schedules()[base]
+    if fields:
+        changes = dict(f.split("=", 1) for f in fields.split(","))
+        sched = dataclasses.replace(sched, **{k: ast.literal_eval(v) for k, v in changes.items()})
+    return sched
+
+
 def run(configs, schedule_name="default"):
-    schedule = schedules()[schedule_name]
+    schedule = schedule_named(schedule_name)
     rows = []
     for b, s_q, h_q, s_k, topk in configs:
         torch.manual_seed(b * 7 + s_q * 3 + h_q + topk)
@@ -88,11 +102,17 @@ def main():
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--anchor", default=ANCHOR)
     ap.add_argument("--quick", action="store_true", help="three rows only")
-    ap.add_argument("--schedules", default="default", help="comma list of: " + ", ".join(schedules()))
+    ap.add_argument("--schedules", default="default",
+                    help="list of: " + ", ".join(schedules()) + " (',' between names; ';' when a name changes "
+                    "fields: 'crossover;crossover:num_sm_parts=16')")
+    ap.add_argument("--rows", default=None, help="comma list of row numbers of CONFIGS (0-based)")
     args = ap.parse_args()
     configs = [CONFIGS[0], CONFIGS[3], CONFIGS[4]] if args.quick else CONFIGS
+    if args.rows:
+        configs = [CONFIGS[int(i)] for i in args.rows.split(",")]
     rows = []
-    for name in args.schedules.split(","):
+    sep = ";" if ";" in args.schedules or ":" in args.schedules else ","
+    for name in args.schedules.split(sep):
         rows += run(configs, name)
     anchor = json.load(open(args.anchor)) if os.path.exists(args.anchor) else []
     print(table(rows, anchor, keys=("b", "s_q", "h_q", "s_k", "topk")))

@@ -128,27 +128,28 @@ def source_page(select, target, path):
     page = subprocess.run(["ncu", "-i", report, "--page", "source", "--print-source", "sass", "--csv"],
                           capture_output=True, text=True)
     text = page.stdout
-    start = text.find('"')
+    start = text.find('"Address"')  # after the kernel-name line
     with open(path, "w") as f:
-        f.write(text[start:])
-    rows = list(csv.DictReader(io.StringIO(text[start:])))
+        f.write(text[max(start, 0):])
+    rows = list(csv.DictReader(io.StringIO(text[max(start, 0):])))
     if not rows:
         print(text[-3000:], page.stderr[-3000:])
         sys.exit(1)
-    samples = next((k for k in rows[0] if "Sampling" in k and "All" in k), None)
-    print("columns:", list(rows[0]))
-    if samples is None:
-        return
+    samples = "Warp Stall Sampling (All Samples)"
+    reasons = [k for k in rows[0] if k and k.startswith("stall_") and "Not Issued" not in k]
 
-    def count(r):
+    def count(r, key=samples):
         try:
-            return float(r[samples] or 0)
+            return float(r.get(key) or 0)
         except ValueError:
             return 0.0
 
     total = sum(count(r) for r in rows) or 1.0
+    by_reason = sorted(((sum(count(r, k) for r in rows), k) for k in reasons), reverse=True)
+    print("stall reasons, % of samples: " + ", ".join(f"{k[6:]} {100 * v / total:.1f}" for v, k in by_reason[:8]))
     for r in sorted(rows, key=count, reverse=True)[:40]:
-        print(f"{100 * count(r) / total:5.1f}%  {r.get('Address', '')}  {r.get('Source', '')[:90]}")
+        top = max(reasons, key=lambda k: count(r, k)) if reasons else ""
+        print(f"{100 * count(r) / total:5.1f}%  {r.get('Address', '')[-6:]}  {top[6:]:12s} {r.get('Source', '')[:80]}")
 
 
 if __name__ == "__main__":
