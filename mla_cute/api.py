@@ -312,7 +312,8 @@ def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, soft
         return None
     if facts != plan.facts or _lengths_key(cache_seqlens) != meta._lengths_key:
         return None
-    sched = schedule or _schedule_override.get().get(DenseDecodeSchedule) or DEFAULT_DENSE_SCHEDULE
+    sched = schedule if schedule is not None else (
+        _schedule_override.get().get(DenseDecodeSchedule) or DEFAULT_DENSE_SCHEDULE)
     if sched is not plan.schedule and sched != plan.schedule:
         return None
     if (backend if backend is not None else os.environ.get(ENV_VAR)) not in (None, "", "cute"):

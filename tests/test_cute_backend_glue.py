@@ -348,6 +348,7 @@ def test_replay_takes_the_checked_path_when_a_fact_differs(api_on_cute, change):
     (dict(q="q"), TypeError, "q must be a torch.Tensor"),
     (dict(num_splits=4), ValueError, "num_splits"),
     (dict(schedule="seesaw"), TypeError, "schedule"),
+    (dict(schedule=""), TypeError, "schedule"),
 ])
 def test_replay_never_hides_an_error(api_on_cute, bad, error, match):
     from mla_cute.api import get_mla_metadata
