@@ -287,11 +287,7 @@ class SplitKVConsumer:
                     if row0 + 8 * i < tile.row_count:
                         sink2 = outs.sink[tile.head_base + row0 + 8 * i] * LOG2_E
                         inv[i] = inv[i] * sink_factor(sink2, lse2[i])
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                r, c = v.tOcO[e]
-                i = 0 if (e // 2) % 2 == 0 else 1
-                if r < tile.row_count:
-                    outs.out[req, tile.kv_head, tile.row_base + r, col_base + c] = (acc_o[e] * inv[i]).to(self.dtype)
+            self.store_pairs(v, inv, outs.out, req, tile, col_base, self.dtype)
             if wg == 0 and tid % 4 == 0:
                 for i in cutlass.range_constexpr(2):
                     r = row0 + 8 * i
@@ -304,16 +300,28 @@ class SplitKVConsumer:
             split = outs.num_splits[req]
             if req == work.begin_req:
                 split = split + work.begin_split
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                r, c = v.tOcO[e]
-                i = 0 if (e // 2) % 2 == 0 else 1
-                if r < tile.row_count:
-                    outs.o_accum[split, tile.kv_head, tile.row_base + r, col_base + c] = acc_o[e] * inv[i]
+            self.store_pairs(v, inv, outs.o_accum, split, tile, col_base, cutlass.Float32)
             if wg == 0 and tid % 4 == 0:
                 for i in cutlass.range_constexpr(2):
                     r = row0 + 8 * i
                     if r < tile.row_count:
                         outs.lse_accum[split, tile.kv_head, tile.row_base + r] = lse2[i]
+
+
+    @cute.jit
+    def store_pairs(self, v, inv, dst, first_mode, tile, col_base, dtype: cutlass.Constexpr):
+        """O * inv into ``dst[first_mode, kv_head, row, col]``: accumulator values e and e + 1 (e even)
+        are columns c and c + 1 of one row, so each pair leaves as one vector store (per-element
+        stores throttled the load/store unit when many CTAs write partials)."""
+        for e in cutlass.range_constexpr(0, cute.size(v.acc_o), 2):
+            r, c = v.tOcO[e]
+            i = (e // 2) % 2
+            if r < tile.row_count:
+                pair = cute.make_rmem_tensor((2,), dtype)
+                pair[0] = (v.acc_o[e] * inv[i]).to(dtype)
+                pair[1] = (v.acc_o[e + 1] * inv[i]).to(dtype)
+                row = dst[first_mode, tile.kv_head, tile.row_base + r, None]
+                cute.autovec_copy(pair, cute.local_tile(row, (2,), ((col_base + c) // 2,)))
 
 
 @cute.jit
