@@ -33,7 +33,7 @@ every tile (2 per thread), stores them locally and with ``st.async`` at the same
 the peer's stage, completing bytes on the peer's KV full barrier; one of the 128 local
 arrivals also expects the peer's ``PEER_TX_BYTES``.  KV empty counts 512 arrivals (both CTAs'
 consumers), because the peer writes into this CTA's stages.  Cluster barriers after the
-barrier setup and before exit.
+barrier setup and before exit (the consumers arrive before their last epilogue).
 
 Named barriers: ``consumer.BarrierId`` (consumers only; the producer syncs on mbarriers).
 """
@@ -243,7 +243,10 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
             )
         if cutlass.const_expr(self.crossover):
             # Neither CTA may exit while the peer can still store or arrive into its shared memory.
-            cute.arch.cluster_arrive()
+            # The consumers arrive before their last epilogue (``consume``), after their last
+            # remote arrival, so the arrive's release does not wait for the epilogue's stores.
+            if wg_idx == 0:
+                cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
     # -------------------------------------------------------------- gather producer
@@ -431,7 +434,13 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
                 kv_state.advance()
             q_pipe.consumer_release(q_state)
             q_state.advance()
+            if cutlass.const_expr(self.crossover):
+                if req == work.end_req:
+                    cute.arch.cluster_arrive()  # no remote access after this (see ``kernel``)
             self.epilogue(v, rows, bars, sSum, outs, work, scale_log2, req, tile)
+        if cutlass.const_expr(self.crossover):
+            if work.begin_req > work.end_req:
+                cute.arch.cluster_arrive()  # an idle part
 
 
 @dataclasses.dataclass
