@@ -307,7 +307,6 @@ class SplitKVConsumer:
                     if r < tile.row_count:
                         outs.lse_accum[split, tile.kv_head, tile.row_base + r] = lse2[i]
 
-
     @cute.jit
     def store_pairs(self, v, inv, dst, first_mode, tile, col_base, dtype: cutlass.Constexpr):
         """O * inv into ``dst[first_mode, kv_head, row, col]``: accumulator values e and e + 1 (e even)

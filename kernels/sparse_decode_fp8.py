@@ -311,7 +311,6 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
                     if cutlass.const_expr(self.crossover and g == 0):
                         if blk + 1 < last:
                             self.prefetch_rows(mCache, next_idx, page, num_rows, lane)
-                    if cutlass.const_expr(self.crossover and g == 0):
                         # The rows are on their way while the consumers of both CTAs still use
                         # the stage (1.04-1.05x).
                         kv_pipe.producer_acquire(kv_state)
