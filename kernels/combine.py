@@ -24,6 +24,7 @@ D_V = 512
 ROWS_PER_CTA = 8
 VEC = 4
 CHUNKS = D_V // (32 * VEC)
+SPLITS_IN_FLIGHT = 4  # partials each warp loads at once
 LN_2 = math.log(2.0)
 
 
@@ -85,7 +86,9 @@ class CombineKernel:
                 factor = sink_factor(mSink[row % self.group] * LOG2_E, lse2)
             acc = cute.make_rmem_tensor((VEC, CHUNKS), cutlass.Float32)
             acc.fill(0.0)
-            for s in cutlass.range(n, unroll=1):
+            # Unrolled so the loads of several partials are in flight together: one partial at
+            # a time paid a round trip to L2 per split (66 splits a row at b = 1).
+            for s in cutlass.range(n, unroll=SPLITS_IN_FLIGHT):
                 w = cute.math.exp2(mLseAccum[start + s, kv_head, row] - lse2, fastmath=True) * factor
                 src = mOAccum[start + s, kv_head, row, None]
                 for k in cutlass.range_constexpr(CHUNKS):
