@@ -70,19 +70,37 @@ def rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out):
 def schedule_named(name: str):
     """default, serial, prefetch or seesaw, optionally with fields changed for a sweep:
     ``seesaw:kv_evict_first=False``, ``default:split_fixed_cost=3,num_sm_parts=64``."""
-    import ast
-    import dataclasses
-
     from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE,
                                     SERIAL_DENSE_SCHEDULE)
 
+    return with_fields({"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE,
+                        "prefetch": PREFETCH_DENSE_SCHEDULE, "seesaw": SEESAW_DENSE_SCHEDULE}, name)
+
+
+def with_fields(named: dict, name: str):
+    """``named[base]`` for ``name`` = ``base`` or ``base:field=value,field=value`` (a schedule with those
+    fields changed; values are Python literals)."""
+    import ast
+    import dataclasses
+
     base, _, fields = name.partition(":")
-    sched = {"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE,
-             "prefetch": PREFETCH_DENSE_SCHEDULE, "seesaw": SEESAW_DENSE_SCHEDULE}[base]
+    sched = named[base]
     if fields:
         changes = dict(f.split("=", 1) for f in fields.split(","))
         sched = dataclasses.replace(sched, **{k: ast.literal_eval(v) for k, v in changes.items()})
     return sched
+
+
+def schedule_list(text: str) -> list:
+    """The names of ``--schedules``: ',' between names, ';' once a name changes fields (which use ',')."""
+    return text.split(";" if ";" in text or ":" in text else ",")
+
+
+def pick_rows(configs: list, quick: list, args) -> list:
+    """The rows ``--rows`` (numbers into ``configs``) or ``--quick`` select; all by default."""
+    if args.rows:
+        return [configs[int(i)] for i in args.rows.split(",")]
+    return quick if args.quick else configs
 
 
 def run(configs, schedule_name="default"):
@@ -146,12 +164,9 @@ def main():
                     help="list of: default, serial, prefetch, seesaw (',' between names; ';' when a name "
                     "changes fields: 'seesaw;seesaw:kv_evict_first=False')")
     args = ap.parse_args()
-    configs = CONFIGS[:1] + CONFIGS[6:7] + CONFIGS[-1:] if args.quick else CONFIGS
-    if args.rows:
-        configs = [CONFIGS[int(i)] for i in args.rows.split(",")]
+    configs = pick_rows(CONFIGS, CONFIGS[:1] + CONFIGS[6:7] + CONFIGS[-1:], args)
     rows = []
-    sep = ";" if ";" in args.schedules or ":" in args.schedules else ","
-    for name in args.schedules.split(sep):
+    for name in schedule_list(args.schedules):
         rows += run(configs, name)
     anchor = json.load(open(args.anchor)) if os.path.exists(args.anchor) else []
     print(table(rows, anchor))

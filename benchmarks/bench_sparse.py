@@ -20,7 +20,7 @@ import sys
 import torch
 
 import mla_cute
-from bench_decode import bench, save, table
+from bench_decode import bench, pick_rows, save, schedule_list, table, with_fields
 
 CONFIGS = [  # (b, s_q, h_q, s_k, topk): the anchor's rows
     (2, 2, 128, 32768, 2048), (64, 2, 128, 32768, 2048), (74, 2, 128, 32768, 2048), (128, 2, 128, 32768, 2048),
@@ -57,15 +57,7 @@ def make_inputs(b, s_q, h_q, s_k, topk, page=64, device="cuda"):
 def schedule_named(name: str):
     """A name of ``schedules()``, optionally with fields changed for a sweep:
     ``crossover:num_sm_parts=16``, ``default:split_fixed_cost=2``."""
-    import ast
-    import dataclasses
-
-    base, _, fields = name.partition(":")
-    sched = schedules()[base]
-    if fields:
-        changes = dict(f.split("=", 1) for f in fields.split(","))
-        sched = dataclasses.replace(sched, **{k: ast.literal_eval(v) for k, v in changes.items()})
-    return sched
+    return with_fields(schedules(), name)
 
 
 def run(configs, schedule_name="default"):
@@ -107,12 +99,9 @@ def main():
                     "fields: 'crossover;crossover:num_sm_parts=16')")
     ap.add_argument("--rows", default=None, help="comma list of row numbers of CONFIGS (0-based)")
     args = ap.parse_args()
-    configs = [CONFIGS[0], CONFIGS[3], CONFIGS[4]] if args.quick else CONFIGS
-    if args.rows:
-        configs = [CONFIGS[int(i)] for i in args.rows.split(",")]
+    configs = pick_rows(CONFIGS, [CONFIGS[0], CONFIGS[3], CONFIGS[4]], args)
     rows = []
-    sep = ";" if ";" in args.schedules or ":" in args.schedules else ","
-    for name in args.schedules.split(sep):
+    for name in schedule_list(args.schedules):
         rows += run(configs, name)
     anchor = json.load(open(args.anchor)) if os.path.exists(args.anchor) else []
     print(table(rows, anchor, keys=("b", "s_q", "h_q", "s_k", "topk")))

@@ -9,7 +9,7 @@ import sys
 import torch
 sys.path.insert(0, "benchmarks")
 import mla_cute  # noqa: E402
-from bench_decode import make_inputs, schedule_named  # noqa: E402
+from bench_decode import make_inputs, schedule_list, schedule_named  # noqa: E402
 import bench_sparse  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -22,7 +22,7 @@ ap.add_argument("--sparse", action="store_true", help="sparse FP8 decode (schedu
 ap.add_argument("--topk", type=int, default=2048)
 args = ap.parse_args()
 b, s_q, h_q, s_k = args.b, args.s_q, args.h_q, args.s_k
-for name in args.schedules.split(";" if ":" in args.schedules else ","):
+for name in schedule_list(args.schedules):
     meta, _ = mla_cute.get_mla_metadata()
     if args.sparse:
         sched = bench_sparse.schedule_named(name)

@@ -100,7 +100,7 @@ def _outputs(plan, device):
 
 class DensePlan:
     """What a metadata object holds for the cute backend: compiled step, workspace, launch constants,
-    and (``replay_plan``) the facts of the last call that passed every check."""
+    and the facts (``replay_plan``) and q row shape of the last call that passed every check."""
 
     __slots__ = ("schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype", "facts", "q_rows")
 
@@ -124,10 +124,20 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, 
     plan = _reused_plan(meta, "dense", first, schedule)
     if plan is None:
         plan = meta._state["dense"] = DensePlan(q, k_cache, causal, schedule, meta, cache_seqlens)
-    out, lse = _outputs(plan, q.device)
+    rows = query_rows(q, plan.h_kv)
+    # With one KV head the rows are a plain view of q when the strides allow (same storage): a
+    # replay of this call (``replay_plan``) then only re-views.  Grouped heads reorder, so they
+    # always go through query_rows.
+    plan.q_rows = tuple(rows.shape) if plan.h_kv == 1 and rows.data_ptr() == q.data_ptr() else None
+    return _launch(plan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, q.device)
+
+
+def _launch(plan: DensePlan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, device):
+    """Allocate the outputs and run the compiled step (split + combine) once."""
+    out, lse = _outputs(plan, device)
     plan.step(
-        query_rows(q, plan.h_kv), k_cache, block_table, cache_seqlens, meta.tile_scheduler_metadata,
-        meta.num_splits, out, lse, plan.o_accum, plan.lse_accum, softmax_scale * _LOG2_E,
+        rows, k_cache, block_table, cache_seqlens, meta.tile_scheduler_metadata, meta.num_splits, out, lse,
+        plan.o_accum, plan.lse_accum, softmax_scale * _LOG2_E,
     )
     return out, lse
 
@@ -143,26 +153,18 @@ def dense_call_facts(q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcache
 
 
 def replay_plan(meta, q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcache) -> DensePlan:
-    """Mark the metadata's dense plan replayable for calls with the facts of this one (which passed every check)."""
+    """Mark the metadata's dense plan replayable for calls with the facts of this one, which just
+    passed every check in ``dense_decode``."""
     plan = meta._state["dense"]
     plan.facts = dense_call_facts(q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcache)
-    rows = query_rows(q, plan.h_kv)
-    # With one KV head the rows are a plain view of q when the strides allow (same storage): a
-    # replay then only re-views.  Grouped heads reorder, so they always go through query_rows.
-    plan.q_rows = tuple(rows.shape) if plan.h_kv == 1 and rows.data_ptr() == q.data_ptr() else None
     return plan
 
 
 def replay_dense(plan: DensePlan, q, k_cache, block_table, cache_seqlens, meta, softmax_scale):
-    """The launch of ``dense_decode`` for a call ``replay_plan`` vouched for."""
-    out = torch.empty(plan.b, plan.s_q, plan.h_q, 512, dtype=plan.dtype, device=q.device)
-    lse = torch.empty(plan.b, plan.h_q, plan.s_q, dtype=torch.float32, device=q.device)
+    """The launch of ``dense_decode`` for a call ``replay_plan`` vouched for: equal facts make the
+    rows the same view of q, or the same reordered copy."""
     rows = q.view(plan.q_rows) if plan.q_rows is not None else query_rows(q, plan.h_kv)
-    plan.step(
-        rows, k_cache, block_table, cache_seqlens, meta.tile_scheduler_metadata, meta.num_splits, out, lse,
-        plan.o_accum, plan.lse_accum, softmax_scale * _LOG2_E,
-    )
-    return out, lse
+    return _launch(plan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, q.device)
 
 
 def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeSchedule) -> None:
