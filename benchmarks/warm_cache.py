@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def configs(subset: str):
+    import dataclasses
     import random
 
     from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE,
@@ -60,6 +61,10 @@ def configs(subset: str):
     seen.add((torch.bfloat16, 1, 64, 1, False, 128, DEFAULT_DENSE_SCHEDULE))
     seen.add((torch.bfloat16, 1, 64, 1, False, 256, DEFAULT_DENSE_SCHEDULE))
     seen.add((torch.bfloat16, 1, 128, 1, False, 64, PREFETCH_DENSE_SCHEDULE))
+    for chunked_batch in (0, 64):  # the combine test
+        sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=132, combine_chunked_batch=chunked_batch)
+        seen.add((torch.bfloat16, 3, 5, 1, True, 64, sched))
+        seen.add((torch.bfloat16, 1, 128, 1, False, 64, sched))
     for sched in (SERIAL_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE):  # the tile-position test
         for dtype, s_q, h_q, h_kv, causal in grid.SCHEDULE_CASES:
             seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, sched))

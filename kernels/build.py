@@ -81,7 +81,8 @@ def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: boo
             from .combine import CombineKernel
             from .dense_step import DenseDecodeStep
 
-            kernel = DenseDecodeStep(kernel, CombineKernel(dtype, group, s_q))
+            combine = CombineKernel(dtype, group, s_q, chunked_batch=schedule.combine_chunked_batch)
+            kernel = DenseDecodeStep(kernel, combine)
         args = dense_decode_signature(dtype, s_q, h_q, h_kv, page)
         return cute.compile(kernel, *args, options=compile_options(options))
 
@@ -90,17 +91,18 @@ def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: boo
     return cached_compile(key, build, describe=what, persistent=not options)
 
 
-def compile_combine(torch_dtype, s_q: int, h_q: int, h_kv: int, options: str = ""):
+def compile_combine(torch_dtype, s_q: int, h_q: int, h_kv: int, options: str = "", chunked_batch: int = 4):
     """The combine kernel alone (the runtime calls it inside the dense decode step)."""
     from .combine import CombineKernel
 
-    key = ("combine", str(torch_dtype), s_q, h_q, h_kv, options)
+    key = ("combine", str(torch_dtype), s_q, h_q, h_kv, options, chunked_batch)
 
     def build():
         dtype = cutlass_dtype(torch_dtype)
         _, num_splits, out, lse, o_acc, lse_acc = _split_io(dtype, _sym(), s_q, h_q, h_kv)
         args = (num_splits, o_acc, lse_acc, out, lse, None, make_fake_stream(use_tvm_ffi_env_stream=True))
-        return cute.compile(CombineKernel(dtype, h_q // h_kv, s_q), *args, options=compile_options(options))
+        kernel = CombineKernel(dtype, h_q // h_kv, s_q, chunked_batch=chunked_batch)
+        return cute.compile(kernel, *args, options=compile_options(options))
 
     return cached_compile(key, build, describe=f"combine s_q={s_q} h_q={h_q} h_kv={h_kv}", persistent=not options)
 
@@ -152,7 +154,8 @@ def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options:
             from .combine import CombineKernel
             from .sparse_step import SparseDecodeStep
 
-            kernel = SparseDecodeStep(kernel, CombineKernel(cutlass.BFloat16, h_q, s_q, has_sink))
+            kernel = SparseDecodeStep(
+                kernel, CombineKernel(cutlass.BFloat16, h_q, s_q, has_sink, schedule.combine_chunked_batch))
         return cute.compile(kernel, *sparse_decode_signature(s_q, h_q, has_sink), options=compile_options(options))
 
     what = (("sparse decode step " if with_combine else "sparse decode split kernel ")

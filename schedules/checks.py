@@ -25,6 +25,12 @@ def check_split_policy(schedule) -> None:
         raise ValueError(f"num_sm_parts must be None or an int >= 1, got {parts!r}")
 
 
+def check_combine(schedule) -> None:
+    value = schedule.combine_chunked_batch
+    if type(value) is not int or value < 0:
+        raise ValueError(f"combine_chunked_batch must be an int >= 0, got {value!r}")
+
+
 def check_smem(schedule) -> None:
     need = schedule.smem_bytes()
     if need > SMEM_CAPACITY:

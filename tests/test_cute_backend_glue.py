@@ -196,6 +196,19 @@ def test_sparse_schedule_rules():
     assert _resolve_schedule(None, SparseDecodeSchedule) == SparseDecodeSchedule()
 
 
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_combine_chunked_batch_rule(kind):
+    from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
+
+    cls = DenseDecodeSchedule if kind == "dense" else SparseDecodeSchedule
+    for good in (0, 1, 4, 1000):
+        cls(combine_chunked_batch=good).validate()
+    for bad in (-1, True, 4.0, "4", None):
+        with pytest.raises(ValueError, match="combine_chunked_batch must be an int >= 0"):
+            cls(combine_chunked_batch=bad).validate()
+    assert cls().kernel_key() != cls(combine_chunked_batch=0).kernel_key()
+
+
 def test_dense_schedule_rules():
     """The seesaw is the default; the serial kernel's options are rejected on it, with the way out."""
     import dataclasses

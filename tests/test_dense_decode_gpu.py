@@ -134,6 +134,24 @@ def test_single_long_request():
     run_and_check(case, 1, False)
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("s_q,h_q", [(3, 5), (1, 128)])
+def test_combine_paths(chunked, s_q, h_q):
+    """The combine, whole rows and column chunks, with 1 to ~30 splits a request (below, at and past
+    its load group of partials) and (h_q = 5, s_q = 3) rows not a multiple of 4."""
+    import mla_cute
+    from mla_cute.schedules import DenseDecodeSchedule
+
+    rng = random.Random(int(chunked) * 100 + h_q)
+    lens = [20000] + [rng.choice([1, 64, rng.randint(1, 3000), rng.randint(3000, 9000)]) for _ in range(36)]
+    case = make_dense_case(37, s_q, 0, h_q, 1, lengths=lens, gen=torch.Generator().manual_seed(h_q))
+    sched = DenseDecodeSchedule(num_sm_parts=132, combine_chunked_batch=64 if chunked else 0)
+    with mla_cute.use_schedule(sched):
+        meta = run_and_check(case, s_q, s_q > 1)
+    splits = (meta.num_splits[1:] - meta.num_splits[:-1]).cpu()
+    assert splits.max() >= 9 and (splits == 1).any() and ((splits > 1) & (splits < 8)).any(), splits
+
+
 def test_noncontiguous_q():
     case = make_dense_case(3, 2, 700, 128, 1, varlen=True)
     big = torch.randn(3, 2, 256, 576, device="cuda").to(torch.bfloat16)
