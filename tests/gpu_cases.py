@@ -30,19 +30,21 @@ def make_dense_case(b, s_q, s_k, h_q, h_kv, *, varlen=False, page=64, dtype=torc
     for i in range(b):
         used = math.ceil(int(lens[i]) / page)
         block_table[i, :used] = perm[i, :used]
-    cache = (torch.randn(num_blocks, page, h_kv, 576, generator=gen) * scale).clamp(-1, 1).to(dtype)
-    flat = cache.view(num_blocks * page, h_kv, 576)
     poison = torch.ones(num_blocks * page, dtype=torch.bool)
     for i in range(b):
         for t in range(0, int(lens[i]), page):
             blk = int(block_table[i, t // page])
             n = min(page, int(lens[i]) - t)
             poison[blk * page: blk * page + n] = False
-    flat[poison] = float("nan")
-    q = (torch.randn(b, s_q, h_q, 576, generator=gen) * scale).clamp(-1, 1).to(dtype)
+    # The values are drawn on the target device (seeded from ``gen``): drawn on the host, the
+    # largest grid cases (a 10 GB cache) took most of a GPU test run.
+    dev_gen = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+    cache = (torch.randn(num_blocks, page, h_kv, 576, generator=dev_gen, device=device) * scale).clamp(-1, 1)
+    cache = cache.to(dtype)
+    cache.view(num_blocks * page, h_kv, 576)[poison.to(device)] = float("nan")
+    q = (torch.randn(b, s_q, h_q, 576, generator=dev_gen, device=device) * scale).clamp(-1, 1).to(dtype)
     return dict(
-        q=q.to(device), k_cache=cache.to(device), block_table=block_table.to(device),
-        cache_seqlens=lens.to(torch.int32).to(device),
+        q=q, k_cache=cache, block_table=block_table.to(device), cache_seqlens=lens.to(torch.int32).to(device),
     )
 
 
