@@ -104,7 +104,8 @@ def compile_combine(torch_dtype, s_q: int, h_q: int, h_kv: int, options: str = "
         kernel = CombineKernel(dtype, h_q // h_kv, s_q, chunked_batch=chunked_batch)
         return cute.compile(kernel, *args, options=compile_options(options))
 
-    return cached_compile(key, build, describe=f"combine s_q={s_q} h_q={h_q} h_kv={h_kv}", persistent=not options)
+    what = f"combine s_q={s_q} h_q={h_q} h_kv={h_kv} chunked_batch={chunked_batch}"
+    return cached_compile(key, build, describe=what, persistent=not options)
 
 
 def compile_scheduler(fixed_cost: int, options: str = ""):

@@ -93,13 +93,13 @@ class CombineKernel:
         """out[row, columns of vectors first_vec + lane + 32k, k < vectors] and lse[row] of one split
         request, from its n partials."""
         vec = first_vec + lane
-        group = VECTORS_IN_FLIGHT // vectors
-        groups = (n + group - 1) // group
         # Register double buffer: a group's loads are issued before the previous group's
         # multiplies (the first group's before the row's lse pass), so a warp has a whole group
         # of partials in flight.  Written as one unrolled loop over the splits, the compiler
         # interleaved each load with its use: one partial at a time, a round trip to L2 each.
         lse, vals = self.group_buffers(vectors)
+        group = cute.size(lse)
+        groups = (n + group - 1) // group
         self.load_group(lse, vals, mOAccum, mLseAccum, start, start + n, kv_head, row, vec)
         lse2 = self.row_lse2(mLseAccum, start, n, kv_head, row, lane)
         factor = cutlass.Float32(1.0)
@@ -122,7 +122,8 @@ class CombineKernel:
             mLse[req, kv_head, row] = lse2 * LN_2
 
     def group_buffers(self, vectors: int):
-        """Registers for one group of partials: their lse and their 16-byte vectors."""
+        """Registers for one group of partials (VECTORS_IN_FLIGHT 16-byte loads a thread): their lse
+        and their 16-byte vectors."""
         group = VECTORS_IN_FLIGHT // vectors
         return (cute.make_rmem_tensor((group,), cutlass.Float32),
                 cute.make_rmem_tensor((VEC, vectors, group), cutlass.Float32))
