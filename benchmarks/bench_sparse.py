@@ -30,11 +30,12 @@ ANCHOR = os.path.join(os.path.dirname(__file__), "results", "anchor_flashmla_spa
 
 
 def schedules():
-    from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, SparseDecodeSchedule
+    from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, SERIAL_SPARSE_SCHEDULE, SparseDecodeSchedule
 
     return {"default": DEFAULT_SPARSE_SCHEDULE,
             "no_crossover": SparseDecodeSchedule(crossover=False),
-            "crossover": SparseDecodeSchedule(crossover=True)}
+            "crossover": SparseDecodeSchedule(crossover=True),
+            "serial": SERIAL_SPARSE_SCHEDULE}
 
 
 def make_inputs(b, s_q, h_q, s_k, topk, page=64, device="cuda"):

@@ -89,6 +89,12 @@ def sparse_configs():
     paired |= {(2, 64, False)}  # the benchmark's default-schedule rows (the crossover does not pair h_q = 64)
     out += [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink, schedule=SparseDecodeSchedule(crossover=True))
             for s_q, h_q, sink in sorted(paired)]
+    # The serial consumer: the crossover corners and benchmark rows, and its whole-tile grid test.
+    serial = SparseDecodeSchedule(crossover=True, leader_follower=False)
+    out += [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink, schedule=serial) for s_q, h_q, sink in sorted(paired)]
+    serial_whole = SparseDecodeSchedule(crossover=False, leader_follower=False)
+    out += [dict(sparse=True, s_q=3, h_q=h_q, attn_sink=sink, schedule=serial_whole)
+            for h_q in (64, 128) for sink in (False, True)]
     return out
 
 

@@ -13,16 +13,23 @@ Warpgroup roles (384 threads):
            the swizzled K tile.  An invalid token (index -1 or outside the cache, or past
            ``topk_length``) is not read: its row is written as zeros and its score bias is
            -inf.  Two rows are loaded before the first is converted (one row at a time was
-           slower; four do not fit the producer's registers), and the next tile's indices
+           slower; four did not fit the producer's 120 registers of the serial split), and the next tile's indices
            are loaded while this tile is gathered.
-  WG1, WG2 consumers (``consumer.SplitKVConsumer``): QK^T, softmax with the bias mask,
-           PV, epilogue with the attention sink.
+  WG1, WG2 consumers, QK^T, softmax with the bias mask, PV, epilogue with the attention sink,
+           split one of two ways (``schedule.leader_follower``):
+           leader-follower (default, ``leader_follower.py``): WG1 computes S over the whole tile,
+             the softmax and O_L, and hands P to WG2, which computes O_R;
+           serial (``consumer.py``): each computes S over 32 tokens, they meet at the row max and
+             at P, then each computes its half of O.
+  Registers (setmaxnreg, within 168 x 384): leader-follower 144 / 200 / 160 (the leader holds
+  half of O, S and P; the follower half of O), serial 120 / 192 / 192.
 
 Shared-memory plan (bytes):
   sQ     64 x 576 bf16                    73 728
   sKV    kv_stages x 64 x 576 bf16        73 728 each (V is the first 512 columns of K)
   sP     64 x 64 bf16                      8 192
-  sMax, sSum  [2][64] fp32                 1 024
+  sMax, sSum  [2][64] fp32                 1 024  (leader-follower: sMax holds the leader's
+                                                   factor and running max per row)
   sBias  kv_stages x 64 fp32 (0 or -inf)     256 each
   mbarriers: Q full/empty (TMA), KV full (128 producer arrivals) / empty (256 consumer
   arrivals) per stage.
@@ -35,7 +42,8 @@ arrivals also expects the peer's ``PEER_TX_BYTES``.  KV empty counts 512 arrival
 consumers), because the peer writes into this CTA's stages.  Cluster barriers after the
 barrier setup and before exit (the consumers arrive before their last epilogue).
 
-Named barriers: ``consumer.BarrierId`` (consumers only; the producer syncs on mbarriers).
+Named barriers (consumers only; the producer syncs on mbarriers): ``leader_follower.LeaderBarrier``
+or ``consumer.BarrierId``.
 """
 
 from __future__ import annotations
@@ -67,6 +75,8 @@ from .consumer import (
     row_exchange,
 )
 from .layouts import lse_rows, out_rows
+from .leader_follower import LeaderFollowerConsumer
+from .seesaw import make_seesaw_mmas
 
 ROW_BYTES = 656  # 512 fp8 + 4 fp32 scales + 64 bf16
 SCALE_OFFSET = D_V  # byte offset of the scales in a row
@@ -83,19 +93,21 @@ PEER_TX_BYTES = (BLOCK_N // 2) * (D_QK * 2 + 4)
 NEG_INF_BITS = -8388608  # 0xFF800000, -inf as fp32 bits
 
 
-class SparseDecodeFp8Kernel(SplitKVConsumer):
+class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     """Static configuration of one compiled sparse FP8 decode kernel."""
 
     num_threads = 384
-    # setmaxnreg moves registers within the CTA's launch allocation (168 x 384 = 64512):
-    # 128 x 120 + 256 x 192 must not exceed it, or the consumers' increase waits forever.
+    # setmaxnreg moves registers within the CTA's launch allocation (168 x 384 = 64512): the
+    # three warpgroups' budgets must not exceed it, or an increase waits forever.
     launch_regs = 168
-    producer_regs = 120
-    consumer_regs = 192
+    # (producer, consumer warpgroup 1, consumer warpgroup 2).  Serial: both consumers hold half
+    # of O (128) and S of 32 tokens.  Leader-follower: the leader holds half of O, S of 64 tokens
+    # and P; the follower only half of O, so the producer gets more.
+    SERIAL_REGS = (120, 192, 192)
+    LEADER_FOLLOWER_REGS = (144, 200, 160)
 
     def __init__(self, h_q: int, s_q: int, has_sink: bool, schedule: SparseDecodeSchedule):
         schedule.validate()
-        assert 128 * self.producer_regs + 256 * self.consumer_regs <= self.launch_regs * self.num_threads
         self.dtype = cutlass.BFloat16
         self.h_q = h_q
         self.s_q = s_q
@@ -105,6 +117,9 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
         # The two 64-head tiles of a pair share every token tile (2-CTA cluster).
         self.crossover = schedule.crossover and self.head_tiles % 2 == 0
         self.rounds = ROUNDS // 2 if self.crossover else ROUNDS
+        self.leader_follower = schedule.leader_follower
+        self.regs = self.LEADER_FOLLOWER_REGS if self.leader_follower else self.SERIAL_REGS
+        assert 128 * sum(self.regs) <= self.launch_regs * self.num_threads
         # SplitKVConsumer facts: one query token per M tile, no causal mask.
         self.causal = False
         self.group = h_q
@@ -222,10 +237,15 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
 
         topk = mIndices.shape[2]
 
+        if cutlass.const_expr(self.leader_follower):
+            # Made once, outside the role branches: both consumers' views use them.  Each role gets
+            # its own record of the outputs: a branch may rebind the fields of what it is passed.
+            lf_mmas = make_seesaw_mmas(self.dtype)
+            outs_lead, outs_follow = dataclasses.replace(outs), dataclasses.replace(outs)
         # The scheduler record is read after the register split, so neither role carries it
         # across the reallocation (it spilled otherwise).
         if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
+            cute.arch.setmaxregister_decrease(self.regs[0])
             work = WorkSlice.of(mSched, part)
             peer = PeerStores(sK_layout, storage.sK.data_ptr(), storage.bias.data_ptr(), rank)
             self.produce(
@@ -233,14 +253,29 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
                 mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, peer,
             )
         else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
-            work = WorkSlice.of(mSched, part)
-            view = self.consumer_view(mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg_idx - 1, tidx % 128)
-            self.consume(
-                view,
-                *row_exchange(storage),
-                sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work, rank,
-            )
+            if cutlass.const_expr(self.leader_follower):
+                sScale, sSum = row_exchange(storage)  # sScale: the leader's factor and max per row
+                if wg_idx == 1:
+                    cute.arch.setmaxregister_increase(self.regs[1])
+                    work = WorkSlice.of(mSched, part)
+                    view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 0, tidx % 128)
+                    self.lead(view, sScale, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs_lead, scale_log2,
+                              s_idx, head_tile, work, rank)
+                else:
+                    cute.arch.setmaxregister_decrease(self.regs[2])
+                    work = WorkSlice.of(mSched, part)
+                    view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 1, tidx % 128)
+                    self.follow(view, sScale, sSum, q_pipe, kv_pipe, mTopkLen, topk, outs_follow, scale_log2,
+                                s_idx, head_tile, work, rank)
+            else:
+                cute.arch.setmaxregister_increase(self.regs[1])
+                work = WorkSlice.of(mSched, part)
+                view = self.consumer_view(mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg_idx - 1, tidx % 128)
+                self.consume(
+                    view,
+                    *row_exchange(storage),
+                    sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work, rank,
+                )
         if cutlass.const_expr(self.crossover):
             # Neither CTA may exit while the peer can still store or arrive into its shared memory.
             # The consumers arrive before their last epilogue (``consume``), after their last
@@ -427,9 +462,7 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
                 warpgroup.wait_group(0)
                 self.online_softmax(v, rows, bars, sMax, BiasMask(sBias, kv_state.index, v.wg * HALF_N), scale_log2)
                 self.mma_pv(v, bars, kv_state.index)
-                kv_pipe.consumer_release(kv_state)
-                if cutlass.const_expr(self.crossover):
-                    cute.arch.mbarrier_arrive(kv_pipe.consumer_get_barrier(kv_state), 1 - rank)
+                self.release_stage(kv_pipe, kv_state, rank)
                 kv_state.advance()
             q_pipe.consumer_release(q_state)
             q_state.advance()
@@ -440,6 +473,97 @@ class SparseDecodeFp8Kernel(SplitKVConsumer):
         if cutlass.const_expr(self.crossover):
             if work.begin_req > work.end_req:
                 cute.arch.cluster_arrive()  # an idle part
+
+
+    @cute.jit
+    def lead(self, v, sScale, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile,
+             work, rank):
+        """The leader (``leader_follower.py``): S, softmax and O_L of every tile, P for the follower."""
+        rows = self.row_state(0, v.tid)
+        bars = self.lf_barriers()
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        head0 = head_tile * BLOCK_M
+        tile = OutputTile(0, s_idx * self.h_q + head0, self.h_q - head0, head0)
+        # The follower frees sP after every tile but this CTA's last: wait from the second tile on.
+        seen = cute.make_rmem_tensor((1,), cutlass.Int32)
+        seen[0] = 0
+        for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
+            first, last = work.blocks(req, cutlass.max(cutlass.min(mTopkLen[req], topk), 1))
+            self.start_rows(v, rows)
+            q_pipe.consumer_wait(q_state)
+            for blk in cutlass.range(first, last, unroll=1):
+                kv_pipe.consumer_wait(kv_state)
+                if cutlass.const_expr(self.crossover):
+                    # Half the tile arrived by st.async (generic proxy); WGMMA reads through the async proxy.
+                    cute.arch.fence_view_async_shared()
+                self.leader_qk(v, kv_state.index)
+                alpha = self.leader_softmax(v, rows, BiasMask(sBias, kv_state.index, 0), scale_log2)
+                # O_L's update goes to the tensor cores before the wait for the follower.
+                self.leader_pv(v, kv_state.index)
+                if seen[0] != 0:
+                    bars.p_free.arrive_and_wait()
+                seen[0] = 1
+                self.leader_publish(v, rows, sScale, alpha)
+                bars.p_ready.arrive()
+                warpgroup.wait_group(0)
+                self.release_stage(kv_pipe, kv_state, rank)
+                kv_state.advance()
+            q_pipe.consumer_release(q_state)
+            q_state.advance()
+            if cutlass.const_expr(self.crossover):
+                if req == work.end_req:
+                    cute.arch.cluster_arrive()  # no remote access after this (see ``kernel``)
+            self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile)
+        if cutlass.const_expr(self.crossover):
+            if work.begin_req > work.end_req:
+                cute.arch.cluster_arrive()  # an idle part
+
+    @cute.jit
+    def follow(self, v, sScale, sSum, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile,
+               work, rank):
+        """The follower: O_R of every tile from the leader's P."""
+        rows = self.row_state(0, v.tid)
+        bars = self.lf_barriers()
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        head0 = head_tile * BLOCK_M
+        tile = OutputTile(0, s_idx * self.h_q + head0, self.h_q - head0, head0)
+        for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
+            first, last = work.blocks(req, cutlass.max(cutlass.min(mTopkLen[req], topk), 1))
+            self.start_rows(v, rows)
+            # The follower does not read Q, but the Q barrier counts all 8 consumer warps.
+            q_pipe.consumer_wait(q_state)
+            q_pipe.consumer_release(q_state)
+            q_state.advance()
+            for blk in cutlass.range(first, last, unroll=1):
+                bars.p_ready.arrive_and_wait()
+                kv_pipe.consumer_wait(kv_state)  # already full: the leader read this stage
+                if cutlass.const_expr(self.crossover):
+                    cute.arch.fence_view_async_shared()
+                self.follower_pv(v, rows, sScale, kv_state.index)
+                self.release_stage(kv_pipe, kv_state, rank)
+                kv_state.advance()
+                if blk + 1 < last:
+                    bars.p_free.arrive()
+            if cutlass.const_expr(self.crossover):
+                if req == work.end_req:
+                    cute.arch.cluster_arrive()
+            self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile)
+            # A request's last P_FREE waits for the epilogue: the leader's next sums go into sSum.
+            if (req != work.end_req) & (last > first):
+                bars.p_free.arrive()
+        if cutlass.const_expr(self.crossover):
+            if work.begin_req > work.end_req:
+                cute.arch.cluster_arrive()
+
+    @cute.jit
+    def release_stage(self, kv_pipe, kv_state, rank):
+        """This thread is done with the stage (the caller advances the state); with the crossover the
+        peer's producer writes into it too, so the peer's barrier hears it as well."""
+        kv_pipe.consumer_release(kv_state)
+        if cutlass.const_expr(self.crossover):
+            cute.arch.mbarrier_arrive(kv_pipe.consumer_get_barrier(kv_state), 1 - rank)
 
 
 @dataclasses.dataclass

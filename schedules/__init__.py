@@ -12,6 +12,7 @@ from .sparse import (
     CROSSOVER_SPARSE_SCHEDULE,
     DEFAULT_SPARSE_SCHEDULE,
     NO_CROSSOVER_SPARSE_SCHEDULE,
+    SERIAL_SPARSE_SCHEDULE,
     SparseDecodeSchedule,
 )
 from .planner import RECORD_FIELDS, RECORD_SIZE, num_sm_parts_for, plan_splits, sparse_lengths, sparse_num_sm_parts_for
@@ -26,6 +27,7 @@ __all__ = [
     "DEFAULT_SPARSE_SCHEDULE",
     "NO_CROSSOVER_SPARSE_SCHEDULE",
     "CROSSOVER_SPARSE_SCHEDULE",
+    "SERIAL_SPARSE_SCHEDULE",
     "SparseDecodeSchedule",
     "RECORD_FIELDS",
     "RECORD_SIZE",

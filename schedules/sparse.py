@@ -23,6 +23,11 @@ class SparseDecodeSchedule:
         (h_q <= 64, or an odd number of 64-head tiles).  On by default: 1.04-1.05x faster than the
         whole-tile gather at b >= 64, h_q = 128 on the H200, once the producer issues a tile's
         first row loads before waiting for the stage (docs/performance.md).
+    leader_follower: the consumers' split of a tile (``kernels/leader_follower.py``): consumer
+        warpgroup 1 computes S over all 64 tokens, the softmax and O_L, and hands P to warpgroup 2,
+        which only computes O_R, so warpgroup 2's P V overlaps the next tile's S and softmax.
+        False: the serial consumer (``kernels/consumer.py``): each warpgroup S over 32 tokens, both
+        meeting at the row max and at P before their P V.
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     num_sm_parts: CTAs per (query token, 64-head tile); None = FlashMLA's rule from the SM count.
     combine_chunked_batch: the largest batch whose combine splits each row into 4 column chunks,
@@ -32,13 +37,14 @@ class SparseDecodeSchedule:
 
     kv_stages: int = 2
     crossover: bool = True
+    leader_follower: bool = True
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
     combine_chunked_batch: int = 4
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
-        return (self.kv_stages, self.crossover, self.combine_chunked_batch)
+        return (self.kv_stages, self.crossover, self.leader_follower, self.combine_chunked_batch)
 
     def smem_bytes(self) -> int:
         """The kernel's shared storage: mbarriers, row max/sum, bias, then the 1 KiB-aligned tiles."""
@@ -53,6 +59,7 @@ class SparseDecodeSchedule:
         """Reject impossible schedules before compiling, with the reason."""
         check_kv_stages(self)
         check_bool("crossover", self.crossover)
+        check_bool("leader_follower", self.leader_follower)
         check_split_policy(self)
         check_combine(self)
         check_smem(self)
@@ -63,3 +70,5 @@ CROSSOVER_SPARSE_SCHEDULE = SparseDecodeSchedule(crossover=True)
 DEFAULT_SPARSE_SCHEDULE = CROSSOVER_SPARSE_SCHEDULE
 # Each CTA gathers all 64 rows of every token tile itself.
 NO_CROSSOVER_SPARSE_SCHEDULE = SparseDecodeSchedule(crossover=False)
+# The serial consumer (both warpgroups compute S), with the crossover.
+SERIAL_SPARSE_SCHEDULE = SparseDecodeSchedule(leader_follower=False)

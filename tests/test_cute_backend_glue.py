@@ -185,6 +185,8 @@ def test_sparse_schedule_rules():
 
     with pytest.raises(ValueError, match="crossover"):
         SparseDecodeSchedule(crossover=1).validate()
+    with pytest.raises(ValueError, match="leader_follower must be a bool"):
+        SparseDecodeSchedule(leader_follower="yes").validate()
     with pytest.raises(ValueError, match="shared memory"):
         SparseDecodeSchedule(kv_stages=3).validate()
     with pytest.raises(TypeError, match="SparseDecodeSchedule"):
@@ -207,6 +209,16 @@ def test_combine_chunked_batch_rule(kind):
         with pytest.raises(ValueError, match="combine_chunked_batch must be an int >= 0"):
             cls(combine_chunked_batch=bad).validate()
     assert cls().kernel_key() != cls(combine_chunked_batch=0).kernel_key()
+
+
+def test_sparse_consumer_split_is_a_schedule_field():
+    """The leader-follower consumer is the default; the serial one compiles to another kernel."""
+    from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, SERIAL_SPARSE_SCHEDULE, SparseDecodeSchedule
+
+    assert DEFAULT_SPARSE_SCHEDULE.leader_follower and DEFAULT_SPARSE_SCHEDULE.crossover
+    assert not SERIAL_SPARSE_SCHEDULE.leader_follower and SERIAL_SPARSE_SCHEDULE.crossover
+    assert DEFAULT_SPARSE_SCHEDULE.kernel_key() != SERIAL_SPARSE_SCHEDULE.kernel_key()
+    SparseDecodeSchedule(crossover=False, leader_follower=False).validate()
 
 
 def test_dense_schedule_rules():

@@ -138,14 +138,32 @@ def test_crossover_grid(b, s_q, h_q, s_k, topk, page):
                   schedule=_crossover())
 
 
-def test_crossover_corners():
-    """Sinks and topk_length (split and unsplit), out-of-range indices, all invalid, h_q = 256."""
+@pytest.mark.parametrize("consumer", ["leader_follower", "serial"])
+def test_crossover_corners(consumer):
+    """Sinks and topk_length (split and unsplit), out-of-range indices, all invalid, h_q = 256; with
+    each consumer split (the leader-follower is the default)."""
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    schedule = SparseDecodeSchedule(crossover=True, leader_follower=consumer == "leader_follower")
     sink = torch.randn(128) * 2
     sink[0], sink[1] = float("inf"), float("-inf")
     run_and_check(make_sparse_case(8, 2, 128, 4096, 2048, 64, topk_length=[0, 1, 63, 64, 65, 1000, 2048, 5000],
-                                   attn_sink=sink, seed=3), schedule=_crossover(), reuse=2)
-    run_and_check(make_sparse_case(2, 1, 128, 8192, 4096, 64, attn_sink=sink, seed=5), schedule=_crossover())
-    run_and_check(make_sparse_case(16, 2, 128, 700, 320, 35, out_of_range=True, seed=9), schedule=_crossover())
-    out, lse = run_and_check(make_sparse_case(4, 2, 128, 512, 128, 64, invalid_frac=1.0), schedule=_crossover())
+                                   attn_sink=sink, seed=3), schedule=schedule, reuse=2)
+    run_and_check(make_sparse_case(2, 1, 128, 8192, 4096, 64, attn_sink=sink, seed=5), schedule=schedule)
+    run_and_check(make_sparse_case(16, 2, 128, 700, 320, 35, out_of_range=True, seed=9), schedule=schedule)
+    out, lse = run_and_check(make_sparse_case(4, 2, 128, 512, 128, 64, invalid_frac=1.0), schedule=schedule)
     assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
-    run_and_check(make_sparse_case(6, 2, 256, 1000, 512, 64, seed=256), schedule=_crossover())
+    run_and_check(make_sparse_case(6, 2, 256, 1000, 512, 64, seed=256), schedule=schedule)
+
+
+# The serial consumer (both warpgroups compute S) on the whole-tile gather: part of the grid,
+# h_q = 16 and the sink, so the schedule that is not the default stays tested.
+@pytest.mark.parametrize("b,s_q,h_q,s_k,topk,page", [g for g in GRID if g[0] == 4 and g[1] == 3][:6])
+def test_serial_consumer_grid(b, s_q, h_q, s_k, topk, page):
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    serial = SparseDecodeSchedule(crossover=False, leader_follower=False)
+    run_and_check(make_sparse_case(b, s_q, h_q, s_k, topk, page, seed=b * 5 + s_q + h_q + topk), schedule=serial)
+    sink = torch.randn(h_q) * 2
+    run_and_check(make_sparse_case(b, s_q, h_q, s_k, topk, page, topk_length=[0, 1, 65, topk][:b], attn_sink=sink,
+                                   seed=b + topk), schedule=serial)
