@@ -161,5 +161,6 @@ def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options:
 
     what = (("sparse decode step " if with_combine else "sparse decode split kernel ")
             + f"s_q={s_q} h_q={h_q} sink={bool(has_sink)} kv_stages={schedule.kv_stages} "
-            + f"crossover={schedule.crossover} leader_follower={schedule.leader_follower}")
+            + f"crossover={schedule.crossover} peer_bulk_copy={schedule.peer_bulk_copy} "
+            + f"leader_follower={schedule.leader_follower}")
     return cached_compile(key, build, describe=what, persistent=not options)

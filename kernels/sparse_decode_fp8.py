@@ -22,7 +22,8 @@ Warpgroup roles (384 threads):
            serial (``consumer.py``): each computes S over 32 tokens, they meet at the row max and
              at P, then each computes its half of O.
   Registers (setmaxnreg, within 168 x 384): leader-follower 144 / 200 / 160 (the leader holds
-  half of O, S and P; the follower half of O), serial 120 / 192 / 192.
+  half of O, S and P; the follower half of O), serial 120 / 192 / 192 (104 / 200 / 200 with the
+  crossover's bulk hand-over).
 
 Shared-memory plan (bytes):
   sQ     64 x 576 bf16                    73 728
@@ -36,14 +37,17 @@ Shared-memory plan (bytes):
 
 Crossover (``schedule.crossover``, the 64-head tiles of a token in pairs: h_q = 128, 256):
 a 2-CTA cluster along the grid's y.  Each CTA gathers rows ``32 rank .. 32 rank + 31`` of
-every tile (2 per thread), stores them locally and with ``st.async`` at the same offsets into
-the peer's stage, completing bytes on the peer's KV full barrier; one of the 128 local
-arrivals also expects the peer's ``PEER_TX_BYTES``.  KV empty counts 512 arrivals (both CTAs'
-consumers), because the peer writes into this CTA's stages.  Cluster barriers after the
-barrier setup and before exit (the consumers arrive before their last epilogue).
+every tile (2 per thread) and stores them locally; the peer gets them at the same offsets,
+completing bytes on its KV full barrier (one of its 128 local arrivals also expects the
+``PEER_TX_BYTES``).  The hand-over (``schedule.peer_bulk_copy``): after the half tile is stored,
+the producer warpgroup fences, meets at ``PRODUCER_GATHERED`` and threads 0-9 issue one
+``cp.async.bulk`` shared::cluster copy each (nine 4 KiB column blocks, the bias); or st.async
+stores of every converted 16 bytes.  KV empty counts 512 arrivals (both CTAs' consumers),
+because the peer writes into this CTA's stages.  Cluster barriers after the barrier setup and
+before exit (the consumers arrive before their last epilogue).
 
-Named barriers (consumers only; the producer syncs on mbarriers): ``leader_follower.LeaderBarrier``
-or ``consumer.BarrierId``.
+Named barriers: the consumers' (1-3) are ``leader_follower.LeaderBarrier`` or
+``consumer.BarrierId``; the producer's ``PRODUCER_GATHERED`` (4) precedes the bulk hand-over.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass._mlir.dialects import llvm, nvvm
+from cutlass.cute.typing import AddressSpace
 from cutlass.memory import SmemAllocator
 
 from ..schedules.sparse import SparseDecodeSchedule
@@ -65,7 +71,6 @@ from .consumer import (
     D_V,
     HALF_N,
     OutputTile,
-    SplitKVConsumer,
     SplitOutputs,
     WorkSlice,
     make_consumer_mmas,
@@ -78,6 +83,7 @@ from .layouts import lse_rows, out_rows
 from .leader_follower import LeaderFollowerConsumer
 from .seesaw import make_seesaw_mmas
 
+SUB_COLS = 64  # features per swizzle-atom column block of a K tile
 ROW_BYTES = 656  # 512 fp8 + 4 fp32 scales + 64 bf16
 SCALE_OFFSET = D_V  # byte offset of the scales in a row
 ROPE_OFFSET = D_V + 16  # byte offset of the RoPE values
@@ -90,7 +96,10 @@ ROWS_IN_FLIGHT = 2  # rows a producer thread loads before converting them
 LATENT_PIECES = D_V // (PIECE * LANES_PER_ROW)  # 4 latent pieces per thread per row (one per scale tile)
 # Crossover: bytes the peer CTA stores into this CTA's stage per tile (its 32 rows of bf16 K, and their bias).
 PEER_TX_BYTES = (BLOCK_N // 2) * (D_QK * 2 + 4)
+PEER_COPIES = D_QK // SUB_COLS + 1  # bulk hand-over: one copy per 64-column block, one for the bias
 NEG_INF_BITS = -8388608  # 0xFF800000, -inf as fp32 bits
+# Named barrier of the producer warpgroup (the consumers' are 1-3): its rows of a tile are stored.
+PRODUCER_GATHERED = 4
 
 
 class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
@@ -100,10 +109,12 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     # setmaxnreg moves registers within the CTA's launch allocation (168 x 384 = 64512): the
     # three warpgroups' budgets must not exceed it, or an increase waits forever.
     launch_regs = 168
-    # (producer, consumer warpgroup 1, consumer warpgroup 2).  Serial: both consumers hold half
-    # of O (128) and S of 32 tokens.  Leader-follower: the leader holds half of O, S of 64 tokens
-    # and P; the follower only half of O, so the producer gets more.
+    # (producer, consumer warpgroup 1, consumer warpgroup 2), each a multiple of 8.  Serial: both
+    # consumers hold half of O (128) and S of 32 tokens; with the crossover's bulk hand-over ptxas
+    # spilled 4 bytes at 192, so the producer gives up 16 more.  Leader-follower: the leader holds
+    # half of O, S of 64 tokens and P; the follower only half of O, so the producer gets more.
     SERIAL_REGS = (120, 192, 192)
+    SERIAL_BULK_REGS = (104, 200, 200)
     LEADER_FOLLOWER_REGS = (144, 200, 160)
 
     def __init__(self, h_q: int, s_q: int, has_sink: bool, schedule: SparseDecodeSchedule):
@@ -117,8 +128,14 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # The two 64-head tiles of a pair share every token tile (2-CTA cluster).
         self.crossover = schedule.crossover and self.head_tiles % 2 == 0
         self.rounds = ROUNDS // 2 if self.crossover else ROUNDS
+        # The crossover hands the peer its rows with st.async stores as they are converted, or with
+        # one bulk copy per 64-column block once the CTA's half tile is stored.
+        self.peer_stores = self.crossover and not schedule.peer_bulk_copy
         self.leader_follower = schedule.leader_follower
-        self.regs = self.LEADER_FOLLOWER_REGS if self.leader_follower else self.SERIAL_REGS
+        if self.leader_follower:
+            self.regs = self.LEADER_FOLLOWER_REGS
+        else:
+            self.regs = self.SERIAL_BULK_REGS if self.crossover and not self.peer_stores else self.SERIAL_REGS
         assert 128 * sum(self.regs) <= self.launch_regs * self.num_threads
         # SplitKVConsumer facts: one query token per M tile, no causal mask.
         self.causal = False
@@ -245,7 +262,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # The scheduler record is read after the register split, so neither role carries it
         # across the reallocation (it spilled otherwise).
         if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(self.regs[0])
+            set_registers(self.regs[0], self.launch_regs)
             work = WorkSlice.of(mSched, part)
             peer = PeerStores(sK_layout, storage.sK.data_ptr(), storage.bias.data_ptr(), rank)
             self.produce(
@@ -256,19 +273,23 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             if cutlass.const_expr(self.leader_follower):
                 sScale, sSum = row_exchange(storage)  # sScale: the leader's factor and max per row
                 if wg_idx == 1:
-                    cute.arch.setmaxregister_increase(self.regs[1])
+                    set_registers(self.regs[1], self.launch_regs)
                     work = WorkSlice.of(mSched, part)
                     view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 0, tidx % 128)
                     self.lead(view, sScale, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs_lead, scale_log2,
                               s_idx, head_tile, work, rank)
                 else:
-                    cute.arch.setmaxregister_decrease(self.regs[2])
+                    set_registers(self.regs[2], self.launch_regs)
                     work = WorkSlice.of(mSched, part)
                     view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 1, tidx % 128)
                     self.follow(view, sScale, sSum, q_pipe, kv_pipe, mTopkLen, topk, outs_follow, scale_log2,
                                 s_idx, head_tile, work, rank)
             else:
-                cute.arch.setmaxregister_increase(self.regs[1])
+                # Each warpgroup sets its own budget, so the three budgets are three instructions.
+                if wg_idx == 1:
+                    set_registers(self.regs[1], self.launch_regs)
+                else:
+                    set_registers(self.regs[2], self.launch_regs)
                 work = WorkSlice.of(mSched, part)
                 view = self.consumer_view(mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg_idx - 1, tidx % 128)
                 self.consume(
@@ -301,6 +322,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         row_in_round = tidx // LANES_PER_ROW
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        gathered = pipeline.NamedBarrier(barrier_id=PRODUCER_GATHERED, num_threads=128)
         gather = RowGather(
             raw=cute.make_rmem_tensor((WORDS, LATENT_PIECES + 2, ROWS_IN_FLIGHT), cutlass.Int32),
             valid=cute.make_rmem_tensor((ROWS_IN_FLIGHT,), cutlass.Int32),
@@ -353,10 +375,15 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                         tok = peer.rank * (BLOCK_N // 2) + (g * ROWS_IN_FLIGHT + k) * ROWS_PER_ROUND + row_in_round
                         self.store_row(gather, k, sK, sBias, tok, kv_state.index, lane, peer,
                                        kv_pipe.producer_get_barrier(kv_state))
-                # The consumers read the tile with WGMMA (async proxy).
+                # The consumers read the tile with WGMMA (async proxy), and the bulk hand-over reads
+                # this CTA's half of it through the async proxy too.
                 cute.arch.fence_view_async_shared()
+                if cutlass.const_expr(self.crossover and not self.peer_stores):
+                    gathered.arrive_and_wait()
+                    if tidx < PEER_COPIES:  # one copy per thread of warp 0
+                        peer.copy_half(kv_state.index, kv_pipe.producer_get_barrier(kv_state), tidx)
                 if cutlass.const_expr(self.crossover):
-                    # One of the 128 arrivals also expects the peer's bytes (st.async completes them).
+                    # One of the 128 arrivals also expects the peer's bytes (its stores or copy complete them).
                     if tidx == 0:
                         cute.arch.mbarrier_arrive_and_expect_tx(kv_pipe.producer_get_barrier(kv_state), PEER_TX_BYTES)
                     else:
@@ -410,7 +437,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     @cute.jit
     def store_row(self, gather, k, sK, sBias, tok, stage, lane, peer, full_bar):
         """Dequantize this thread's share of one row into the K tile (zeros for an invalid token); with the
-        crossover also into the peer CTA's tile (st.async, completing bytes on the peer's ``full_bar``)."""
+        crossover's st.async hand-over also into the peer CTA's tile (completing bytes on the peer's
+        ``full_bar``)."""
         raw = gather.raw
         scales = cute.recast_tensor(raw[None, LATENT_PIECES, k], cutlass.Float32)
         dst = sK[tok, None, stage]
@@ -421,13 +449,13 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             piece.store(vals.to(self.dtype))
             col = (m * LANES_PER_ROW + lane) * PIECE
             cute.autovec_copy(piece, cute.local_tile(dst, (PIECE,), (m * LANES_PER_ROW + lane,)))
-            if cutlass.const_expr(self.crossover):
+            if cutlass.const_expr(self.peer_stores):
                 words = cute.recast_tensor(piece, cutlass.Int32)
                 for h in cutlass.range_constexpr(2):
                     peer.store16(tok, col + 8 * h, stage, words, 4 * h, full_bar)
         rope = cute.recast_tensor(raw[None, LATENT_PIECES + 1, k], self.dtype)
         cute.autovec_copy(rope, cute.local_tile(dst, (PIECE // 2,), (D_V // (PIECE // 2) + lane,)))
-        if cutlass.const_expr(self.crossover):
+        if cutlass.const_expr(self.peer_stores):
             peer.store16(tok, D_V + 8 * lane, stage, raw[None, LATENT_PIECES + 1, k], 0, full_bar)
         if lane == 0:
             bias = -cutlass.Float32.inf
@@ -436,7 +464,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 bias = 0.0
                 bits = 0
             sBias[tok, stage] = bias
-            if cutlass.const_expr(self.crossover):
+            if cutlass.const_expr(self.peer_stores):
                 peer.store_bias(tok, stage, bits, full_bar)
 
     # ------------------------------------------------------------- consumers
@@ -589,7 +617,8 @@ class BiasMask:
 
 @dataclasses.dataclass
 class PeerStores:
-    """Crossover stores into the peer CTA's stage: same byte offsets as the local tile (st.async)."""
+    """Crossover hand-over into the peer CTA's stage, at the same byte offsets as the local tile: st.async
+    stores per row, or bulk copies of the CTA's half tile."""
 
     sK_layout: Any  # the swizzled K layout (the swizzle is applied here, on byte offsets)
     k_base: Any  # bf16 pointer to this CTA's K stages
@@ -610,3 +639,40 @@ class PeerStores:
     @cute.jit
     def store_bias(self, tok, stage, bits, full_bar):
         cute.arch.store_async_dsmem(self.bias_base + (stage * BLOCK_N + tok), bits, full_bar, 1 - self.rank)
+
+    @cute.jit
+    def copy_half(self, stage, full_bar, j):
+        """Part ``j`` of this CTA's half of the stage into the same bytes of the peer's stage, completing
+        bytes on the peer's ``full_bar``: column block j (< 9; rows 32 rank .. 32 rank + 31 of a 64-column
+        block are 4 KiB in a row, swizzled the same way in both CTAs), or (j = 9) the rows' bias."""
+        if j < D_QK // SUB_COLS:
+            off = cute.crd2idx((self.rank * (BLOCK_N // 2), j * SUB_COLS, stage), self.sK_layout.outer)
+            bulk_copy_to_peer(self.k_base + off, full_bar, (BLOCK_N // 2) * SUB_COLS * 2, 1 - self.rank)
+        else:
+            bulk_copy_to_peer(self.bias_base + (stage * BLOCK_N + self.rank * (BLOCK_N // 2)), full_bar,
+                              (BLOCK_N // 2) * 4, 1 - self.rank)
+
+
+def set_registers(count: int, launch: int) -> None:
+    """setmaxnreg to ``count`` for the calling warpgroup (nothing when it is the launch count)."""
+    if count > launch:
+        cute.arch.setmaxregister_increase(count)
+    elif count < launch:
+        cute.arch.setmaxregister_decrease(count)
+
+
+@cutlass.dsl_user_op
+def bulk_copy_to_peer(src, mbar, nbytes: int, peer_rank, *, loc=None, ip=None):
+    """cp.async.bulk from this CTA's shared memory at ``src`` to the same offset in CTA ``peer_rank`` of
+    the cluster, completing ``nbytes`` on the peer's copy of barrier ``mbar``."""
+    dsmem = llvm.PointerType.get(AddressSpace.dsmem)
+    rank = cutlass.Int32(peer_rank).ir_value(loc=loc, ip=ip)
+    src_ptr = src.to_llvm_ptr(loc=loc, ip=ip)
+    dst = nvvm.mapa(dsmem, src_ptr, rank, loc=loc, ip=ip)
+    bar = nvvm.mapa(dsmem, mbar.to_llvm_ptr(loc=loc, ip=ip), rank, loc=loc, ip=ip)
+    # The op's verifier wants the barrier in the shared state space (the PTX names it in the
+    # cluster's window all the same).
+    bar = llvm.addrspacecast(llvm.PointerType.get(AddressSpace.smem), bar, loc=loc, ip=ip)
+    nvvm.cp_async_bulk_shared_cluster_shared_cta(
+        dst, src_ptr, bar, cutlass.Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip
+    )

@@ -23,6 +23,9 @@ class SparseDecodeSchedule:
         (h_q <= 64, or an odd number of 64-head tiles).  On by default: 1.04-1.05x faster than the
         whole-tile gather at b >= 64, h_q = 128 on the H200, once the producer issues a tile's
         first row loads before waiting for the stage (docs/performance.md).
+    peer_bulk_copy: how the crossover hands the peer CTA its half of a tile: True, one bulk copy
+        (cp.async.bulk shared::cluster) per 64-column block once the half tile is stored locally;
+        False, st.async stores of each 16 bytes as they are converted.
     leader_follower: the consumers' split of a tile (``kernels/leader_follower.py``): consumer
         warpgroup 1 computes S over all 64 tokens, the softmax and O_L, and hands P to warpgroup 2,
         which only computes O_R, so warpgroup 2's P V overlaps the next tile's S and softmax.
@@ -37,6 +40,7 @@ class SparseDecodeSchedule:
 
     kv_stages: int = 2
     crossover: bool = True
+    peer_bulk_copy: bool = True
     leader_follower: bool = True
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
@@ -44,7 +48,7 @@ class SparseDecodeSchedule:
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
-        return (self.kv_stages, self.crossover, self.leader_follower, self.combine_chunked_batch)
+        return (self.kv_stages, self.crossover, self.peer_bulk_copy, self.leader_follower, self.combine_chunked_batch)
 
     def smem_bytes(self) -> int:
         """The kernel's shared storage: mbarriers, row max/sum, bias, then the 1 KiB-aligned tiles."""
@@ -59,6 +63,7 @@ class SparseDecodeSchedule:
         """Reject impossible schedules before compiling, with the reason."""
         check_kv_stages(self)
         check_bool("crossover", self.crossover)
+        check_bool("peer_bulk_copy", self.peer_bulk_copy)
         check_bool("leader_follower", self.leader_follower)
         check_split_policy(self)
         check_combine(self)

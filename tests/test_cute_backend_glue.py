@@ -187,6 +187,8 @@ def test_sparse_schedule_rules():
         SparseDecodeSchedule(crossover=1).validate()
     with pytest.raises(ValueError, match="leader_follower must be a bool"):
         SparseDecodeSchedule(leader_follower="yes").validate()
+    with pytest.raises(ValueError, match="peer_bulk_copy must be a bool"):
+        SparseDecodeSchedule(peer_bulk_copy=0).validate()
     with pytest.raises(ValueError, match="shared memory"):
         SparseDecodeSchedule(kv_stages=3).validate()
     with pytest.raises(TypeError, match="SparseDecodeSchedule"):
@@ -218,6 +220,8 @@ def test_sparse_consumer_split_is_a_schedule_field():
     assert DEFAULT_SPARSE_SCHEDULE.leader_follower and DEFAULT_SPARSE_SCHEDULE.crossover
     assert not SERIAL_SPARSE_SCHEDULE.leader_follower and SERIAL_SPARSE_SCHEDULE.crossover
     assert DEFAULT_SPARSE_SCHEDULE.kernel_key() != SERIAL_SPARSE_SCHEDULE.kernel_key()
+    assert DEFAULT_SPARSE_SCHEDULE.peer_bulk_copy
+    assert SparseDecodeSchedule(peer_bulk_copy=False).kernel_key() != DEFAULT_SPARSE_SCHEDULE.kernel_key()
     SparseDecodeSchedule(crossover=False, leader_follower=False).validate()
 
 

@@ -138,13 +138,15 @@ def test_crossover_grid(b, s_q, h_q, s_k, topk, page):
                   schedule=_crossover())
 
 
-@pytest.mark.parametrize("consumer", ["leader_follower", "serial"])
-def test_crossover_corners(consumer):
+@pytest.mark.parametrize("consumer,handover", [("leader_follower", "bulk"), ("serial", "bulk"),
+                                                ("leader_follower", "st_async"), ("serial", "st_async")])
+def test_crossover_corners(consumer, handover):
     """Sinks and topk_length (split and unsplit), out-of-range indices, all invalid, h_q = 256; with
-    each consumer split (the leader-follower is the default)."""
+    each consumer split and each hand-over to the peer (leader-follower and bulk are the default)."""
     from mla_cute.schedules import SparseDecodeSchedule
 
-    schedule = SparseDecodeSchedule(crossover=True, leader_follower=consumer == "leader_follower")
+    schedule = SparseDecodeSchedule(crossover=True, leader_follower=consumer == "leader_follower",
+                                    peer_bulk_copy=handover == "bulk")
     sink = torch.randn(128) * 2
     sink[0], sink[1] = float("inf"), float("-inf")
     run_and_check(make_sparse_case(8, 2, 128, 4096, 2048, 64, topk_length=[0, 1, 63, 64, 65, 1000, 2048, 5000],
