@@ -39,15 +39,15 @@ Crossover (``schedule.crossover``, the 64-head tiles of a token in pairs: h_q = 
 a 2-CTA cluster along the grid's y.  Each CTA gathers rows ``32 rank .. 32 rank + 31`` of
 every tile (2 per thread) and stores them locally; the peer gets them at the same offsets,
 completing bytes on its KV full barrier (one of its 128 local arrivals also expects the
-``PEER_TX_BYTES``).  The hand-over (``schedule.peer_bulk_copy``): after the half tile is stored,
-the producer warpgroup fences, meets at ``PRODUCER_GATHERED`` and threads 0-9 issue one
-``cp.async.bulk`` shared::cluster copy each (nine 4 KiB column blocks, the bias); or st.async
-stores of every converted 16 bytes.  KV empty counts 512 arrivals (both CTAs' consumers),
+``PEER_TX_BYTES``).  The hand-over (``schedule.peer_bulk_copy``): once a producer warp has
+stored its 8 rows, it fences and 20 of its lanes issue one ``cp.async.bulk`` shared::cluster
+copy each (its two quads of rows in each of the nine 64-column blocks, 512 bytes each, and the
+quads' bias); or st.async stores of every converted 16 bytes.  KV empty counts 512 arrivals (both CTAs' consumers),
 because the peer writes into this CTA's stages.  Cluster barriers after the barrier setup and
 before exit (the consumers arrive before their last epilogue).
 
-Named barriers: the consumers' (1-3) are ``leader_follower.LeaderBarrier`` or
-``consumer.BarrierId``; the producer's ``PRODUCER_GATHERED`` (4) precedes the bulk hand-over.
+Named barriers (consumers only; the producer syncs on mbarriers): ``leader_follower.LeaderBarrier``
+or ``consumer.BarrierId``.
 """
 
 from __future__ import annotations
@@ -96,10 +96,10 @@ ROWS_IN_FLIGHT = 2  # rows a producer thread loads before converting them
 LATENT_PIECES = D_V // (PIECE * LANES_PER_ROW)  # 4 latent pieces per thread per row (one per scale tile)
 # Crossover: bytes the peer CTA stores into this CTA's stage per tile (its 32 rows of bf16 K, and their bias).
 PEER_TX_BYTES = (BLOCK_N // 2) * (D_QK * 2 + 4)
-PEER_COPIES = D_QK // SUB_COLS + 1  # bulk hand-over: one copy per 64-column block, one for the bias
+# Bulk hand-over, per producer warp: its two quads of rows (4 consecutive rows of a 64-column block are
+# 512 contiguous bytes) in each of the 9 column blocks, and the quads' bias.
+WARP_COPIES = 2 * (D_QK // 64) + 2
 NEG_INF_BITS = -8388608  # 0xFF800000, -inf as fp32 bits
-# Named barrier of the producer warpgroup (the consumers' are 1-3): its rows of a tile are stored.
-PRODUCER_GATHERED = 4
 
 
 class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
@@ -322,7 +322,6 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         row_in_round = tidx // LANES_PER_ROW
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        gathered = pipeline.NamedBarrier(barrier_id=PRODUCER_GATHERED, num_threads=128)
         gather = RowGather(
             raw=cute.make_rmem_tensor((WORDS, LATENT_PIECES + 2, ROWS_IN_FLIGHT), cutlass.Int32),
             valid=cute.make_rmem_tensor((ROWS_IN_FLIGHT,), cutlass.Int32),
@@ -376,12 +375,14 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                         self.store_row(gather, k, sK, sBias, tok, kv_state.index, lane, peer,
                                        kv_pipe.producer_get_barrier(kv_state))
                 # The consumers read the tile with WGMMA (async proxy), and the bulk hand-over reads
-                # this CTA's half of it through the async proxy too.
+                # this CTA's rows through the async proxy too.
                 cute.arch.fence_view_async_shared()
                 if cutlass.const_expr(self.crossover and not self.peer_stores):
-                    gathered.arrive_and_wait()
-                    if tidx < PEER_COPIES:  # one copy per thread of warp 0
-                        peer.copy_half(kv_state.index, kv_pipe.producer_get_barrier(kv_state), tidx)
+                    # Each warp hands over its own rows as soon as they are stored.
+                    cute.arch.sync_warp()
+                    lane_w = tidx % 32
+                    if lane_w < WARP_COPIES:
+                        peer.copy_warp_rows(kv_state.index, kv_pipe.producer_get_barrier(kv_state), tidx // 32, lane_w)
                 if cutlass.const_expr(self.crossover):
                     # One of the 128 arrivals also expects the peer's bytes (its stores or copy complete them).
                     if tidx == 0:
@@ -471,14 +472,10 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     @cute.jit
     def consume(self, v, sMax, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work,
                 rank):
-        rows = self.row_state(0, v.tid)
+        rows, q_state, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
         bars = self.consumer_barriers()
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        head0 = head_tile * BLOCK_M
-        tile = OutputTile(0, s_idx * self.h_q + head0, self.h_q - head0, head0)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            first, last = work.blocks(req, cutlass.max(cutlass.min(mTopkLen[req], topk), 1))
+            first, last = request_tiles(work, req, mTopkLen, topk)
             self.start_rows(v, rows)
             q_pipe.consumer_wait(q_state)
             for blk in cutlass.range(first, last, unroll=1):
@@ -507,17 +504,13 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     def lead(self, v, sScale, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile,
              work, rank):
         """The leader (``leader_follower.py``): S, softmax and O_L of every tile, P for the follower."""
-        rows = self.row_state(0, v.tid)
+        rows, q_state, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
         bars = self.lf_barriers()
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        head0 = head_tile * BLOCK_M
-        tile = OutputTile(0, s_idx * self.h_q + head0, self.h_q - head0, head0)
         # The follower frees sP after every tile but this CTA's last: wait from the second tile on.
         seen = cute.make_rmem_tensor((1,), cutlass.Int32)
         seen[0] = 0
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            first, last = work.blocks(req, cutlass.max(cutlass.min(mTopkLen[req], topk), 1))
+            first, last = request_tiles(work, req, mTopkLen, topk)
             self.start_rows(v, rows)
             q_pipe.consumer_wait(q_state)
             for blk in cutlass.range(first, last, unroll=1):
@@ -551,14 +544,10 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     def follow(self, v, sScale, sSum, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile,
                work, rank):
         """The follower: O_R of every tile from the leader's P."""
-        rows = self.row_state(0, v.tid)
+        rows, q_state, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
         bars = self.lf_barriers()
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        head0 = head_tile * BLOCK_M
-        tile = OutputTile(0, s_idx * self.h_q + head0, self.h_q - head0, head0)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            first, last = work.blocks(req, cutlass.max(cutlass.min(mTopkLen[req], topk), 1))
+            first, last = request_tiles(work, req, mTopkLen, topk)
             self.start_rows(v, rows)
             # The follower does not read Q, but the Q barrier counts all 8 consumer warps.
             q_pipe.consumer_wait(q_state)
@@ -584,6 +573,17 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         if cutlass.const_expr(self.crossover):
             if work.begin_req > work.end_req:
                 cute.arch.cluster_arrive()
+
+    @cute.jit
+    def consumer_state(self, v, s_idx, head_tile):
+        """A consumer thread's rows, its Q and KV pipeline states and its output tile."""
+        head0 = head_tile * BLOCK_M
+        return (
+            self.row_state(0, v.tid),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages),
+            OutputTile(0, s_idx * self.h_q + head0, self.h_q - head0, head0),
+        )
 
     @cute.jit
     def release_stage(self, kv_pipe, kv_state, rank):
@@ -641,16 +641,29 @@ class PeerStores:
         cute.arch.store_async_dsmem(self.bias_base + (stage * BLOCK_N + tok), bits, full_bar, 1 - self.rank)
 
     @cute.jit
-    def copy_half(self, stage, full_bar, j):
-        """Part ``j`` of this CTA's half of the stage into the same bytes of the peer's stage, completing
-        bytes on the peer's ``full_bar``: column block j (< 9; rows 32 rank .. 32 rank + 31 of a 64-column
-        block are 4 KiB in a row, swizzled the same way in both CTAs), or (j = 9) the rows' bias."""
-        if j < D_QK // SUB_COLS:
-            off = cute.crd2idx((self.rank * (BLOCK_N // 2), j * SUB_COLS, stage), self.sK_layout.outer)
-            bulk_copy_to_peer(self.k_base + off, full_bar, (BLOCK_N // 2) * SUB_COLS * 2, 1 - self.rank)
+    def copy_warp_rows(self, stage, full_bar, warp, j):
+        """Copy ``j`` of producer warp ``warp``'s rows into the same bytes of the peer's stage, completing
+        bytes on the peer's ``full_bar``.  The warp's rows are two quads, 32 rank + 16 q + 4 warp + 0..3
+        (q = 0, 1); a quad's 128-byte pieces of a 64-column block are contiguous and swizzled the same
+        way in both CTAs.  j < 18: quad j / 9, column block j % 9; j = 18, 19: the bias of quad j - 18."""
+        if j < 2 * (D_QK // SUB_COLS):
+            q = j // (D_QK // SUB_COLS)
+            blk = j - q * (D_QK // SUB_COLS)
+            row = self.rank * (BLOCK_N // 2) + q * ROWS_PER_ROUND + 4 * warp
+            off = cute.crd2idx((row, blk * SUB_COLS, stage), self.sK_layout.outer)
+            bulk_copy_to_peer(self.k_base + cute.assume(off, divby=256), full_bar, 4 * SUB_COLS * 2, 1 - self.rank)
         else:
-            bulk_copy_to_peer(self.bias_base + (stage * BLOCK_N + self.rank * (BLOCK_N // 2)), full_bar,
-                              (BLOCK_N // 2) * 4, 1 - self.rank)
+            q = j - 2 * (D_QK // SUB_COLS)
+            row = self.rank * (BLOCK_N // 2) + q * ROWS_PER_ROUND + 4 * warp
+            bulk_copy_to_peer(self.bias_base + cute.assume(stage * BLOCK_N + row, divby=4), full_bar, 4 * 4,
+                              1 - self.rank)
+
+
+@cute.jit
+def request_tiles(work, req, mTopkLen, topk):
+    """The consumers' tiles [first, last) of request ``req``: at least one, so a request with nothing
+    to attend still writes its rows."""
+    return work.blocks(req, cutlass.max(cutlass.min(mTopkLen[req], topk), 1))
 
 
 def set_registers(count: int, launch: int) -> None:

@@ -137,8 +137,8 @@ def test_sparse_crossover_hands_the_peer_its_rows(leader_follower, bulk, capfd):
     bulk_copies = ptx.count("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes")
     stores = ptx.count("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32")
     if bulk:
-        # Threads 0-8 copy a column block of the half tile each, thread 9 its bias, to the peer's
-        # addresses (mapa): two copy instructions in the code.
+        # 20 lanes of each producer warp copy a quad of its rows in one column block, or a quad's
+        # bias, to the peer's addresses (mapa): two copy instructions in the code.
         assert bulk_copies == 2 and stores == 0 and "mapa.shared::cluster" in ptx
     else:
         # Each thread stores its 2 rows into the peer: 9 x 16 bytes per row, plus the bias word.
