@@ -13,8 +13,8 @@ Warpgroup roles (384 threads):
            the swizzled K tile.  An invalid token (index -1 or outside the cache, or past
            ``topk_length``) is not read: its row is written as zeros and its score bias is
            -inf.  Two rows are loaded before the first is converted (one row at a time was
-           slower; four did not fit the producer's 120 registers of the serial split), and the next tile's indices
-           are loaded while this tile is gathered.
+           slower; four did not fit the producer's 120 registers of the serial split), and the
+           next tile's indices are loaded while this tile is gathered.
   WG1, WG2 consumers, QK^T, softmax with the bias mask, PV, epilogue with the attention sink,
            split one of two ways (``schedule.leader_follower``):
            leader-follower (default, ``leader_follower.py``): WG1 computes S over the whole tile,
@@ -42,9 +42,9 @@ completing bytes on its KV full barrier (one of its 128 local arrivals also expe
 ``PEER_TX_BYTES``).  The hand-over (``schedule.peer_bulk_copy``): once a producer warp has
 stored its 8 rows, it fences and 20 of its lanes issue one ``cp.async.bulk`` shared::cluster
 copy each (its two quads of rows in each of the nine 64-column blocks, 512 bytes each, and the
-quads' bias); or st.async stores of every converted 16 bytes.  KV empty counts 512 arrivals (both CTAs' consumers),
-because the peer writes into this CTA's stages.  Cluster barriers after the barrier setup and
-before exit (the consumers arrive before their last epilogue).
+quads' bias); or st.async stores of every converted 16 bytes.  KV empty counts 512 arrivals
+(both CTAs' consumers), because the peer writes into this CTA's stages.  Cluster barriers after
+the barrier setup and before exit (the consumers arrive before their last epilogue).
 
 Named barriers (consumers only; the producer syncs on mbarriers): ``leader_follower.LeaderBarrier``
 or ``consumer.BarrierId``.
@@ -98,7 +98,7 @@ LATENT_PIECES = D_V // (PIECE * LANES_PER_ROW)  # 4 latent pieces per thread per
 PEER_TX_BYTES = (BLOCK_N // 2) * (D_QK * 2 + 4)
 # Bulk hand-over, per producer warp: its two quads of rows (4 consecutive rows of a 64-column block are
 # 512 contiguous bytes) in each of the 9 column blocks, and the quads' bias.
-WARP_COPIES = 2 * (D_QK // 64) + 2
+WARP_COPIES = 2 * (D_QK // SUB_COLS) + 2
 NEG_INF_BITS = -8388608  # 0xFF800000, -inf as fp32 bits
 
 
@@ -129,7 +129,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         self.crossover = schedule.crossover and self.head_tiles % 2 == 0
         self.rounds = ROUNDS // 2 if self.crossover else ROUNDS
         # The crossover hands the peer its rows with st.async stores as they are converted, or with
-        # one bulk copy per 64-column block once the CTA's half tile is stored.
+        # bulk copies once each producer warp has stored its rows.
         self.peer_stores = self.crossover and not schedule.peer_bulk_copy
         self.leader_follower = schedule.leader_follower
         if self.leader_follower:
@@ -481,7 +481,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             for blk in cutlass.range(first, last, unroll=1):
                 kv_pipe.consumer_wait(kv_state)
                 if cutlass.const_expr(self.crossover):
-                    # Half the tile arrived by st.async (generic proxy); WGMMA reads through the async proxy.
+                    # The peer's half arrived by st.async or bulk copy; WGMMA reads through the async proxy.
                     cute.arch.fence_view_async_shared()
                 self.mma_qk(v, v.acc_s, kv_state.index)
                 warpgroup.wait_group(0)
@@ -499,7 +499,6 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             if work.begin_req > work.end_req:
                 cute.arch.cluster_arrive()  # an idle part
 
-
     @cute.jit
     def lead(self, v, sScale, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile,
              work, rank):
@@ -516,7 +515,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             for blk in cutlass.range(first, last, unroll=1):
                 kv_pipe.consumer_wait(kv_state)
                 if cutlass.const_expr(self.crossover):
-                    # Half the tile arrived by st.async (generic proxy); WGMMA reads through the async proxy.
+                    # The peer's half arrived by st.async or bulk copy; WGMMA reads through the async proxy.
                     cute.arch.fence_view_async_shared()
                 self.leader_qk(v, kv_state.index)
                 alpha = self.leader_softmax(v, rows, BiasMask(sBias, kv_state.index, 0), scale_log2)
@@ -618,7 +617,7 @@ class BiasMask:
 @dataclasses.dataclass
 class PeerStores:
     """Crossover hand-over into the peer CTA's stage, at the same byte offsets as the local tile: st.async
-    stores per row, or bulk copies of the CTA's half tile."""
+    stores per row, or bulk copies of each producer warp's rows."""
 
     sK_layout: Any  # the swizzled K layout (the swizzle is applied here, on byte offsets)
     k_base: Any  # bf16 pointer to this CTA's K stages

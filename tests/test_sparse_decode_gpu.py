@@ -158,8 +158,8 @@ def test_crossover_corners(consumer, handover):
     run_and_check(make_sparse_case(6, 2, 256, 1000, 512, 64, seed=256), schedule=schedule)
 
 
-# The serial consumer (both warpgroups compute S) on the whole-tile gather: part of the grid,
-# h_q = 16 and the sink, so the schedule that is not the default stays tested.
+# The serial consumer (both warpgroups compute S) on the whole-tile gather: part of the grid
+# (b = 4, s_q = 3), then with sinks and topk_length, so the split that is not the default stays tested.
 @pytest.mark.parametrize("b,s_q,h_q,s_k,topk,page", [g for g in GRID if g[0] == 4 and g[1] == 3][:6])
 def test_serial_consumer_grid(b, s_q, h_q, s_k, topk, page):
     from mla_cute.schedules import SparseDecodeSchedule
