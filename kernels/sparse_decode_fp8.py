@@ -12,9 +12,11 @@ Warpgroup roles (384 threads):
            the scales, 1 RoPE), dequantizes fp8 x scale to bf16 and stores the row into
            the swizzled K tile.  An invalid token (index -1 or outside the cache, or past
            ``topk_length``) is not read: its row is written as zeros and its score bias is
-           -inf.  Two rows are loaded before the first is converted (one row at a time was
-           slower; four did not fit the producer's 120 registers of the serial split), and the
-           next tile's indices are loaded while this tile is gathered.
+           -inf.  With the leader-follower consumers a thread loads all its rows of a tile
+           before converting the first (4, or 2 with the crossover: 1.06-1.08x over 2 at a time
+           for the whole-tile gather); with the serial ones, 2 at a time (4 do not fit their
+           producer's 120 registers; one at a time was slower).  The next tile's indices are
+           loaded while this tile is gathered.
   WG1, WG2 consumers, QK^T, softmax with the bias mask, PV, epilogue with the attention sink,
            split one of two ways (``schedule.leader_follower``):
            leader-follower (default, ``leader_follower.py``): WG1 computes S over the whole tile,
@@ -92,7 +94,6 @@ WORDS = PIECE // 4  # int32 words per load
 LANES_PER_ROW = 8  # threads sharing one row: 8 x 16 B = one 128-byte segment per load
 ROWS_PER_ROUND = 128 // LANES_PER_ROW  # 16 rows per pass of the producer warpgroup
 ROUNDS = BLOCK_N // ROWS_PER_ROUND  # 4 rows per thread per tile (2 with the crossover)
-ROWS_IN_FLIGHT = 2  # rows a producer thread loads before converting them
 LATENT_PIECES = D_V // (PIECE * LANES_PER_ROW)  # 4 latent pieces per thread per row (one per scale tile)
 # Crossover: bytes the peer CTA stores into this CTA's stage per tile (its 32 rows of bf16 K, and their bias).
 PEER_TX_BYTES = (BLOCK_N // 2) * (D_QK * 2 + 4)
@@ -128,6 +129,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # The two 64-head tiles of a pair share every token tile (2-CTA cluster).
         self.crossover = schedule.crossover and self.head_tiles % 2 == 0
         self.rounds = ROUNDS // 2 if self.crossover else ROUNDS
+        # Rows a producer thread loads before converting them: all of its rows of a tile with the
+        # leader-follower's 144 registers; 2 of the whole-tile gather's 4 with the serial split's.
+        self.rows_in_flight = self.rounds if schedule.leader_follower else 2
         # The crossover hands the peer its rows with st.async stores as they are converted, or with
         # bulk copies once each producer warp has stored its rows.
         self.peer_stores = self.crossover and not schedule.peer_bulk_copy
@@ -323,8 +327,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         gather = RowGather(
-            raw=cute.make_rmem_tensor((WORDS, LATENT_PIECES + 2, ROWS_IN_FLIGHT), cutlass.Int32),
-            valid=cute.make_rmem_tensor((ROWS_IN_FLIGHT,), cutlass.Int32),
+            raw=cute.make_rmem_tensor((WORDS, LATENT_PIECES + 2, self.rows_in_flight), cutlass.Int32),
+            valid=cute.make_rmem_tensor((self.rows_in_flight,), cutlass.Int32),
         )
         # The indices of the next tile are loaded while this tile's rows are gathered, so a tile
         # waits for one round trip to memory per batch of rows instead of two.  With the
@@ -358,10 +362,10 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                     # Whole-tile gather: loading first measured no faster here, and makes ptxas
                     # spill in some configurations.
                     kv_pipe.producer_acquire(kv_state)
-                for g in cutlass.range_constexpr(self.rounds // ROWS_IN_FLIGHT):
-                    for k in cutlass.range_constexpr(ROWS_IN_FLIGHT):
-                        tok = peer.rank * (BLOCK_N // 2) + (g * ROWS_IN_FLIGHT + k) * ROWS_PER_ROUND + row_in_round
-                        idx = cur_idx[g * ROWS_IN_FLIGHT + k]
+                for g in cutlass.range_constexpr(self.rounds // self.rows_in_flight):
+                    for k in cutlass.range_constexpr(self.rows_in_flight):
+                        tok = peer.rank * (BLOCK_N // 2) + (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
+                        idx = cur_idx[g * self.rows_in_flight + k]
                         ok = (idx >= 0) & (idx < num_rows)
                         self.load_row(gather, k, mCache, idx, page, ok, lane)
                     if cutlass.const_expr(self.crossover and g == 0):
@@ -370,8 +374,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                         # The rows are on their way while the consumers of both CTAs still use
                         # the stage (1.04-1.05x).
                         kv_pipe.producer_acquire(kv_state)
-                    for k in cutlass.range_constexpr(ROWS_IN_FLIGHT):
-                        tok = peer.rank * (BLOCK_N // 2) + (g * ROWS_IN_FLIGHT + k) * ROWS_PER_ROUND + row_in_round
+                    for k in cutlass.range_constexpr(self.rows_in_flight):
+                        tok = peer.rank * (BLOCK_N // 2) + (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
                         self.store_row(gather, k, sK, sBias, tok, kv_state.index, lane, peer,
                                        kv_pipe.producer_get_barrier(kv_state))
                 # The consumers read the tile with WGMMA (async proxy), and the bulk hand-over reads
@@ -597,8 +601,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
 class RowGather:
     """Registers of the rows a producer thread has in flight: raw bytes and validity."""
 
-    raw: Any  # (4, 6, ROWS_IN_FLIGHT) int32: 16 bytes each of 4 latent pieces, the scales, 1 RoPE piece
-    valid: Any  # (ROWS_IN_FLIGHT,) int32
+    raw: Any  # (4, 6, rows in flight) int32: 16 bytes each of 4 latent pieces, the scales, 1 RoPE piece
+    valid: Any  # (rows in flight,) int32
 
 
 @dataclasses.dataclass
