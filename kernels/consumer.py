@@ -189,8 +189,7 @@ class SplitKVConsumer:
     @cute.jit
     def online_softmax(self, v, rows, bars, sMax, mask, scale_log2):
         """Mask, share the row max with the other warpgroup, turn S into P, rescale O and the sums."""
-        acc_s, acc_o, wg = v.acc_s, v.acc_o, v.wg
-        row_max, row_sum, row0 = rows.row_max, rows.row_sum, rows.row0
+        acc_s, acc_o, wg, row0 = v.acc_s, v.acc_o, v.wg, rows.row0
         part_max = cute.make_rmem_tensor((2,), cutlass.Float32)
         for i in cutlass.range_constexpr(2):
             part_max[i] = -cutlass.Float32.inf
@@ -209,24 +208,33 @@ class SplitKVConsumer:
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
         base = cute.make_rmem_tensor((2,), cutlass.Float32)
         for i in cutlass.range_constexpr(2):
-            other = sMax[row0 + 8 * i, 1 - wg]
-            new_max = cute.arch.fmax(row_max[i], cute.arch.fmax(part_max[i], other))
-            safe = new_max
-            if new_max == -cutlass.Float32.inf:
-                safe = 0.0
-            base[i] = safe * scale_log2
-            alpha[i] = cute.math.exp2(row_max[i] * scale_log2 - base[i], fastmath=True)
-            row_max[i] = new_max
-            row_sum[i] = row_sum[i] * alpha[i]
+            self.update_max(rows, i, cute.arch.fmax(part_max[i], sMax[row0 + 8 * i, 1 - wg]), scale_log2, alpha, base)
+        self.exp_scores(acc_s, rows, base, scale_log2)
+        rescale_o(acc_o, alpha)
+
+    @cute.jit
+    def update_max(self, rows, i: cutlass.Constexpr, tile_max, scale_log2, alpha, base):
+        """Row ``i``'s running max after a tile whose row max (raw score) is ``tile_max``: sets ``alpha[i]``
+        = 2^(old - new max) (the factor for O and the sum, applied to the sum here) and ``base[i]``, the
+        exponent's offset."""
+        new_max = cute.arch.fmax(rows.row_max[i], tile_max)
+        # No key seen yet (new max -inf): base 0, so masked scores give 2^-inf = 0, never NaN.
+        safe = new_max
+        if new_max == -cutlass.Float32.inf:
+            safe = 0.0
+        base[i] = safe * scale_log2
+        alpha[i] = cute.math.exp2(rows.row_max[i] * scale_log2 - base[i], fastmath=True)
+        rows.row_max[i] = new_max
+        rows.row_sum[i] = rows.row_sum[i] * alpha[i]
+
+    @cute.jit
+    def exp_scores(self, acc_s, rows, base, scale_log2):
+        """S -> P = 2^(S * scale - base) in place, added to the row sums."""
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             i = (e // 2) % 2
             p = cute.math.exp2(acc_s[e] * scale_log2 - base[i], fastmath=True)
             acc_s[e] = p
-            row_sum[i] = row_sum[i] + p
-        # Once the row maxima settle, alpha is 1: skip the 128 multiplies.
-        if cutlass.min(alpha[0], alpha[1]) != 1.0:
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
+            rows.row_sum[i] = rows.row_sum[i] + p
 
     @cute.jit
     def mma_pv(self, v, bars, stage):
@@ -257,7 +265,7 @@ class SplitKVConsumer:
 
         ``max2``: the rows' final max in log2 units, where the kernel keeps it (the seesaw
         kernel's shared row max); None: ``rows.row_max`` times ``scale_log2``."""
-        acc_o, wg, tid, row0 = v.acc_o, v.wg, v.tid, rows.row0
+        wg, tid, row0 = v.wg, v.tid, rows.row0
         row_sum = rows.row_sum
         for i in cutlass.range_constexpr(2):
             row_sum[i] = cute.arch.warp_reduction_sum(row_sum[i], threads_in_group=4)
@@ -321,6 +329,14 @@ class SplitKVConsumer:
                 pair[1] = (v.acc_o[e + 1] * inv[i]).to(dtype)
                 row = dst[first_mode, tile.kv_head, tile.row_base + r, None]
                 cute.autovec_copy(pair, cute.local_tile(row, (2,), ((col_base + c) // 2,)))
+
+
+@cute.jit
+def rescale_o(acc_o, factor):
+    """O rows *= factor (per accumulator row pair); skipped once the row maxima have settled."""
+    if cutlass.min(factor[0], factor[1]) != 1.0:
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[e] = acc_o[e] * factor[(e // 2) % 2]
 
 
 @cute.jit

@@ -35,8 +35,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import warpgroup
 
-from .consumer import BLOCK_M, BLOCK_N, HALF_V, ConsumerBarriers, SplitKVConsumer
-from .seesaw import rescale_o
+from .consumer import BLOCK_M, BLOCK_N, HALF_V, ConsumerBarriers, SplitKVConsumer, rescale_o
 
 
 class LeaderBarrier(enum.IntEnum):
@@ -119,20 +118,8 @@ class LeaderFollowerConsumer(SplitKVConsumer):
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
         base = cute.make_rmem_tensor((2,), cutlass.Float32)
         for i in cutlass.range_constexpr(2):
-            new_max = cute.arch.fmax(rows.row_max[i], cute.arch.warp_reduction_max(cur[i], threads_in_group=4))
-            # No key seen yet (new max -inf): base 0, so masked scores give 2^-inf = 0, never NaN.
-            safe = new_max
-            if new_max == -cutlass.Float32.inf:
-                safe = 0.0
-            base[i] = safe * scale_log2
-            alpha[i] = cute.math.exp2(rows.row_max[i] * scale_log2 - base[i], fastmath=True)
-            rows.row_max[i] = new_max
-            rows.row_sum[i] = rows.row_sum[i] * alpha[i]
-        for e in cutlass.range_constexpr(cute.size(v.acc_s)):
-            i = (e // 2) % 2
-            p = cute.math.exp2(v.acc_s[e] * scale_log2 - base[i], fastmath=True)
-            v.acc_s[e] = p
-            rows.row_sum[i] = rows.row_sum[i] + p
+            self.update_max(rows, i, cute.arch.warp_reduction_max(cur[i], threads_in_group=4), scale_log2, alpha, base)
+        self.exp_scores(v.acc_s, rows, base, scale_log2)
         v.rPc.store(v.acc_s.load().to(self.dtype))
         rescale_o(v.acc_o, alpha)
         return alpha

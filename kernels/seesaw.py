@@ -38,6 +38,7 @@ from .consumer import (
     ConsumerBarriers,
     LengthMask,
     SplitKVConsumer,
+    rescale_o,
 )
 
 SUB = 64  # features per K sub-tile (one 128-byte swizzle atom wide)
@@ -240,14 +241,6 @@ class SeesawConsumer(SplitKVConsumer):
         for i in cutlass.range_constexpr(2):
             max2[i] = sM[rows.row0 + 8 * i, 0]
         return max2
-
-
-@cute.jit
-def rescale_o(acc_o, factor):
-    """O rows *= factor (per accumulator row pair); skipped once the row maxima have settled."""
-    if cutlass.min(factor[0], factor[1]) != 1.0:
-        for e in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[e] = acc_o[e] * factor[(e // 2) % 2]
 
 
 @cute.jit

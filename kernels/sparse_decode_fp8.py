@@ -135,11 +135,12 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # The crossover hands the peer its rows with st.async stores as they are converted, or with
         # bulk copies once each producer warp has stored its rows.
         self.peer_stores = self.crossover and not schedule.peer_bulk_copy
+        self.peer_bulk = self.crossover and schedule.peer_bulk_copy
         self.leader_follower = schedule.leader_follower
         if self.leader_follower:
             self.regs = self.LEADER_FOLLOWER_REGS
         else:
-            self.regs = self.SERIAL_BULK_REGS if self.crossover and not self.peer_stores else self.SERIAL_REGS
+            self.regs = self.SERIAL_BULK_REGS if self.peer_bulk else self.SERIAL_REGS
         assert 128 * sum(self.regs) <= self.launch_regs * self.num_threads
         # SplitKVConsumer facts: one query token per M tile, no causal mask.
         self.causal = False
@@ -381,7 +382,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 # The consumers read the tile with WGMMA (async proxy), and the bulk hand-over reads
                 # this CTA's rows through the async proxy too.
                 cute.arch.fence_view_async_shared()
-                if cutlass.const_expr(self.crossover and not self.peer_stores):
+                if cutlass.const_expr(self.peer_bulk):
                     # Each warp hands over its own rows as soon as they are stored.
                     cute.arch.sync_warp()
                     lane_w = tidx % 32
@@ -483,10 +484,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             self.start_rows(v, rows)
             q_pipe.consumer_wait(q_state)
             for blk in cutlass.range(first, last, unroll=1):
-                kv_pipe.consumer_wait(kv_state)
-                if cutlass.const_expr(self.crossover):
-                    # The peer's half arrived by st.async or bulk copy; WGMMA reads through the async proxy.
-                    cute.arch.fence_view_async_shared()
+                self.wait_stage(kv_pipe, kv_state)
                 self.mma_qk(v, v.acc_s, kv_state.index)
                 warpgroup.wait_group(0)
                 self.online_softmax(v, rows, bars, sMax, BiasMask(sBias, kv_state.index, v.wg * HALF_N), scale_log2)
@@ -517,10 +515,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             self.start_rows(v, rows)
             q_pipe.consumer_wait(q_state)
             for blk in cutlass.range(first, last, unroll=1):
-                kv_pipe.consumer_wait(kv_state)
-                if cutlass.const_expr(self.crossover):
-                    # The peer's half arrived by st.async or bulk copy; WGMMA reads through the async proxy.
-                    cute.arch.fence_view_async_shared()
+                self.wait_stage(kv_pipe, kv_state)
                 self.leader_qk(v, kv_state.index)
                 alpha = self.leader_softmax(v, rows, BiasMask(sBias, kv_state.index, 0), scale_log2)
                 # O_L's update goes to the tensor cores before the wait for the follower.
@@ -558,9 +553,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             q_state.advance()
             for blk in cutlass.range(first, last, unroll=1):
                 bars.p_ready.arrive_and_wait()
-                kv_pipe.consumer_wait(kv_state)  # already full: the leader read this stage
-                if cutlass.const_expr(self.crossover):
-                    cute.arch.fence_view_async_shared()
+                self.wait_stage(kv_pipe, kv_state)  # already full: the leader read this stage
                 self.follower_pv(v, rows, sScale, kv_state.index)
                 self.release_stage(kv_pipe, kv_state, rank)
                 kv_state.advance()
@@ -587,6 +580,14 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages),
             OutputTile(0, s_idx * self.h_q + head0, self.h_q - head0, head0),
         )
+
+    @cute.jit
+    def wait_stage(self, kv_pipe, kv_state):
+        """Wait until the stage is full; with the crossover the peer's half arrived through the cluster,
+        and WGMMA reads it through the async proxy."""
+        kv_pipe.consumer_wait(kv_state)
+        if cutlass.const_expr(self.crossover):
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def release_stage(self, kv_pipe, kv_state, rank):
