@@ -97,9 +97,8 @@ ROUNDS = BLOCK_N // ROWS_PER_ROUND  # 4 rows per thread per tile (2 with the cro
 LATENT_PIECES = D_V // (PIECE * LANES_PER_ROW)  # 4 latent pieces per thread per row (one per scale tile)
 # Crossover: bytes the peer CTA stores into this CTA's stage per tile (its 32 rows of bf16 K, and their bias).
 PEER_TX_BYTES = (BLOCK_N // 2) * (D_QK * 2 + 4)
-# Bulk hand-over, per producer warp: its two quads of rows (4 consecutive rows of a 64-column block are
-# 512 contiguous bytes) in each of the 9 column blocks, and the quads' bias.
-WARP_COPIES = 2 * (D_QK // SUB_COLS) + 2
+STAGE_ELEMS = BLOCK_N * D_QK  # one K stage
+LATENT_STEP = 2 * BLOCK_N * SUB_COLS  # from a thread's latent piece to its next: 128 columns, two column blocks
 NEG_INF_BITS = -8388608  # 0xFF800000, -inf as fp32 bits
 
 
@@ -136,6 +135,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # bulk copies once each producer warp has stored its rows.
         self.peer_stores = self.crossover and not schedule.peer_bulk_copy
         self.peer_bulk = self.crossover and schedule.peer_bulk_copy
+        self.row_step = 4 if self.peer_bulk else ROWS_PER_ROUND  # between a thread's rows of a tile
         self.leader_follower = schedule.leader_follower
         if self.leader_follower:
             self.regs = self.LEADER_FOLLOWER_REGS
@@ -269,10 +269,10 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         if wg_idx == 0:
             set_registers(self.regs[0], self.launch_regs)
             work = WorkSlice.of(mSched, part)
-            peer = PeerStores(sK_layout, storage.sK.data_ptr(), storage.bias.data_ptr(), rank)
+            stores = StageStores(sK_layout, storage.sK.data_ptr(), storage.bias.data_ptr(), rank)
             self.produce(
-                tma_atom_q, tma_q, sQ, sK, sBias, q_pipe, kv_pipe,
-                mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, peer,
+                tma_atom_q, tma_q, sQ, sBias, q_pipe, kv_pipe,
+                mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, stores,
             )
         else:
             if cutlass.const_expr(self.leader_follower):
@@ -313,8 +313,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     # -------------------------------------------------------------- gather producer
     @cute.jit
     def produce(
-        self, tma_atom_q, tma_q, sQ, sK, sBias, q_pipe, kv_pipe,
-        mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, peer,
+        self, tma_atom_q, tma_q, sQ, sBias, q_pipe, kv_pipe,
+        mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, stores,
     ):
         # ((64, 576), head_tiles, 1, s_q, b)
         gQ = cute.flat_divide(tma_q, (BLOCK_M, D_QK))
@@ -324,7 +324,13 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         page = mCache.shape[1]
         num_rows = mCache.shape[0] * page
         lane = tidx % LANES_PER_ROW
-        row_in_round = tidx // LANES_PER_ROW
+        # This thread's first row of a tile; its r-th is ``row_step`` r further.  With the bulk hand-over
+        # a warp's 8 rows are contiguous, so each of their 64-column blocks goes over in one 1 KiB copy;
+        # otherwise a thread's rows are 16 apart, the same row of the 128-byte swizzle pattern.
+        if cutlass.const_expr(self.peer_bulk):
+            row0 = stores.rank * (BLOCK_N // 2) + (tidx // 32) * 8 + (tidx % 32) // LANES_PER_ROW
+        else:
+            row0 = stores.rank * (BLOCK_N // 2) + tidx // LANES_PER_ROW
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         gather = RowGather(
@@ -347,25 +353,24 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                     tma_bar_ptr=q_pipe.producer_get_barrier(q_state),
                 )
             q_state.advance()
-            self.load_indices(next_idx, mIndices, req, s_idx, first, limit, peer.rank, row_in_round)
+            self.load_indices(next_idx, mIndices, req, s_idx, first, limit, row0)
             if cutlass.const_expr(self.crossover):
-                self.load_indices(ahead_idx, mIndices, req, s_idx, first + 1, limit, peer.rank, row_in_round)
+                self.load_indices(ahead_idx, mIndices, req, s_idx, first + 1, limit, row0)
             for blk in cutlass.range(first, last, unroll=1):
                 cur_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
                 cur_idx.store(next_idx.load())
                 if cutlass.const_expr(self.crossover):
                     next_idx.store(ahead_idx.load())
                     if blk + 2 < last:
-                        self.load_indices(ahead_idx, mIndices, req, s_idx, blk + 2, limit, peer.rank, row_in_round)
+                        self.load_indices(ahead_idx, mIndices, req, s_idx, blk + 2, limit, row0)
                 elif blk + 1 < last:
-                    self.load_indices(next_idx, mIndices, req, s_idx, blk + 1, limit, peer.rank, row_in_round)
+                    self.load_indices(next_idx, mIndices, req, s_idx, blk + 1, limit, row0)
                 if cutlass.const_expr(not self.crossover):
                     # Whole-tile gather: loading first measured no faster here, and makes ptxas
                     # spill in some configurations.
                     kv_pipe.producer_acquire(kv_state)
                 for g in cutlass.range_constexpr(self.rounds // self.rows_in_flight):
                     for k in cutlass.range_constexpr(self.rows_in_flight):
-                        tok = peer.rank * (BLOCK_N // 2) + (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
                         idx = cur_idx[g * self.rows_in_flight + k]
                         ok = (idx >= 0) & (idx < num_rows)
                         self.load_row(gather, k, mCache, idx, page, ok, lane)
@@ -375,21 +380,38 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                         # The rows are on their way while the consumers of both CTAs still use
                         # the stage (1.04-1.05x).
                         kv_pipe.producer_acquire(kv_state)
-                    for k in cutlass.range_constexpr(self.rows_in_flight):
-                        tok = peer.rank * (BLOCK_N // 2) + (g * self.rows_in_flight + k) * ROWS_PER_ROUND + row_in_round
-                        self.store_row(gather, k, sK, sBias, tok, kv_state.index, lane, peer,
-                                       kv_pipe.producer_get_barrier(kv_state))
-                # The consumers read the tile with WGMMA (async proxy), and the bulk hand-over reads
-                # this CTA's rows through the async proxy too.
-                cute.arch.fence_view_async_shared()
+                    if cutlass.const_expr(self.peer_bulk):
+                        # Piece by piece over the rows in flight: each two column blocks go to the peer
+                        # as soon as the warp has stored them.
+                        for m in cutlass.range_constexpr(LATENT_PIECES):
+                            for k in cutlass.range_constexpr(self.rows_in_flight):
+                                tok = row0 + self.row_step * (g * self.rows_in_flight + k)
+                                self.store_latent(gather, k, m, tok, kv_state.index, lane, stores,
+                                                  kv_pipe.producer_get_barrier(kv_state))
+                            self.hand_over(stores, kv_state.index, kv_pipe.producer_get_barrier(kv_state), warp_idx % 4,
+                                           tidx % 32, 2 * m)
+                        for k in cutlass.range_constexpr(self.rows_in_flight):
+                            tok = row0 + self.row_step * (g * self.rows_in_flight + k)
+                            self.store_rope(gather, k, sBias, tok, kv_state.index, lane, stores,
+                                            kv_pipe.producer_get_barrier(kv_state))
+                    else:
+                        # Row by row (fewer live registers: the serial consumers' producer has 120).
+                        for k in cutlass.range_constexpr(self.rows_in_flight):
+                            tok = row0 + self.row_step * (g * self.rows_in_flight + k)
+                            for m in cutlass.range_constexpr(LATENT_PIECES):
+                                self.store_latent(gather, k, m, tok, kv_state.index, lane, stores,
+                                                  kv_pipe.producer_get_barrier(kv_state))
+                            self.store_rope(gather, k, sBias, tok, kv_state.index, lane, stores,
+                                            kv_pipe.producer_get_barrier(kv_state))
                 if cutlass.const_expr(self.peer_bulk):
-                    # Each warp hands over its own rows as soon as they are stored.
-                    cute.arch.sync_warp()
-                    lane_w = tidx % 32
-                    if lane_w < WARP_COPIES:
-                        peer.copy_warp_rows(kv_state.index, kv_pipe.producer_get_barrier(kv_state), tidx // 32, lane_w)
+                    # The RoPE block and the bias.
+                    self.hand_over(stores, kv_state.index, kv_pipe.producer_get_barrier(kv_state), warp_idx % 4,
+                                   tidx % 32, 2 * LATENT_PIECES)
+                else:
+                    # The consumers read the tile with WGMMA (async proxy).
+                    cute.arch.fence_view_async_shared()
                 if cutlass.const_expr(self.crossover):
-                    # One of the 128 arrivals also expects the peer's bytes (its stores or copy complete them).
+                    # One of the 128 arrivals also expects the peer's bytes (its stores or copies complete them).
                     if tidx == 0:
                         cute.arch.mbarrier_arrive_and_expect_tx(kv_pipe.producer_get_barrier(kv_state), PEER_TX_BYTES)
                     else:
@@ -399,11 +421,11 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 kv_state.advance()
 
     @cute.jit
-    def load_indices(self, dst, mIndices, req, s_idx, blk, limit, rank, row_in_round):
+    def load_indices(self, dst, mIndices, req, s_idx, blk, limit, row0):
         """The cache indices of this thread's rows of tile ``blk`` (-1 past the request's length; positions
         past topk, when topk is not a multiple of 64, are never read)."""
         for r in cutlass.range_constexpr(self.rounds):
-            pos = blk * BLOCK_N + rank * (BLOCK_N // 2) + r * ROWS_PER_ROUND + row_in_round
+            pos = blk * BLOCK_N + row0 + self.row_step * r
             dst[r] = -1
             if pos < limit:
                 dst[r] = mIndices[req, s_idx, pos]
@@ -441,28 +463,42 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             )
 
     @cute.jit
-    def store_row(self, gather, k, sK, sBias, tok, stage, lane, peer, full_bar):
-        """Dequantize this thread's share of one row into the K tile (zeros for an invalid token); with the
-        crossover's st.async hand-over also into the peer CTA's tile (completing bytes on the peer's
-        ``full_bar``)."""
+    def hand_over(self, stores, stage, full_bar, warp, lane_w, first):
+        """Bulk hand-over of the warp's stored rows: column blocks ``first`` and ``first + 1`` (or, for the
+        RoPE block, the block and the rows' bias), one copy per lane.  The stores are generic-proxy
+        writes that the copies and WGMMA read through the async proxy: fence, then the warp's sync."""
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
+        if lane_w < 2:
+            stores.copy_warp_block(stage, full_bar, warp, first + lane_w)
+
+    @cute.jit
+    def store_latent(self, gather, k, m, tok, stage, lane, stores, full_bar):
+        """Dequantize latent piece ``m`` of this thread's share of a row into the K tile (zeros for an invalid
+        token); with the st.async hand-over also into the peer's tile.  The scale is rounded to bf16 and
+        multiplied in bf16, as FlashMLA does: exact for the quantizer's power-of-two scales, and one
+        multiply per two values."""
         raw = gather.raw
-        scales = cute.recast_tensor(raw[None, LATENT_PIECES, k], cutlass.Float32)
-        dst = sK[tok, None, stage]
-        for m in cutlass.range_constexpr(LATENT_PIECES):
-            fp8 = cute.recast_tensor(raw[None, m, k], cutlass.Float8E4M3FN)
-            vals = fp8.load().to(cutlass.Float32) * scales[m]
-            piece = cute.make_rmem_tensor((PIECE,), self.dtype)
-            piece.store(vals.to(self.dtype))
-            col = (m * LANES_PER_ROW + lane) * PIECE
-            cute.autovec_copy(piece, cute.local_tile(dst, (PIECE,), (m * LANES_PER_ROW + lane,)))
+        scale = cute.recast_tensor(raw[None, LATENT_PIECES, k], cutlass.Float32)[m]
+        fp8 = cute.recast_tensor(raw[None, m, k], cutlass.Float8E4M3FN)
+        piece = cute.make_rmem_tensor((PIECE,), self.dtype)
+        piece.store(fp8.load().to(self.dtype) * scale.to(self.dtype))
+        words = cute.recast_tensor(piece, cutlass.Int32)
+        for h in cutlass.range_constexpr(2):
+            # The swizzled offset of the thread's first piece: the others are whole blocks further.
+            off = stores.offset(tok, lane * PIECE + h * (PIECE // 2)) + m * LATENT_STEP
+            stores.store_local(off, stage, words, 4 * h)
             if cutlass.const_expr(self.peer_stores):
-                words = cute.recast_tensor(piece, cutlass.Int32)
-                for h in cutlass.range_constexpr(2):
-                    peer.store16(tok, col + 8 * h, stage, words, 4 * h, full_bar)
-        rope = cute.recast_tensor(raw[None, LATENT_PIECES + 1, k], self.dtype)
-        cute.autovec_copy(rope, cute.local_tile(dst, (PIECE // 2,), (D_V // (PIECE // 2) + lane,)))
+                stores.store_peer(off, stage, words, 4 * h, full_bar)
+
+    @cute.jit
+    def store_rope(self, gather, k, sBias, tok, stage, lane, stores, full_bar):
+        """This thread's RoPE piece of a row, and (lane 0) the row's bias: 0, or -inf for an invalid token."""
+        rope = gather.raw[None, LATENT_PIECES + 1, k]
+        off = stores.offset(tok, D_V + (PIECE // 2) * lane)
+        stores.store_local(off, stage, rope, 0)
         if cutlass.const_expr(self.peer_stores):
-            peer.store16(tok, D_V + 8 * lane, stage, raw[None, LATENT_PIECES + 1, k], 0, full_bar)
+            stores.store_peer(off, stage, rope, 0, full_bar)
         if lane == 0:
             bias = -cutlass.Float32.inf
             bits = cutlass.Int32(NEG_INF_BITS)
@@ -471,7 +507,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 bits = 0
             sBias[tok, stage] = bias
             if cutlass.const_expr(self.peer_stores):
-                peer.store_bias(tok, stage, bits, full_bar)
+                stores.store_bias(tok, stage, bits, full_bar)
 
     # ------------------------------------------------------------- consumers
     @cute.jit
@@ -620,9 +656,13 @@ class BiasMask:
 
 
 @dataclasses.dataclass
-class PeerStores:
-    """Crossover hand-over into the peer CTA's stage, at the same byte offsets as the local tile: st.async
-    stores per row, or bulk copies of each producer warp's rows."""
+class StageStores:
+    """The producer's stores into the swizzled K stages: this CTA's, and with the crossover the peer CTA's
+    at the same byte offsets (st.async stores per row, or bulk copies of each producer warp's rows).
+
+    The 128-byte swizzle XORs byte-offset bits [4, 7) with bits [7, 10).  A stage (73 728 bytes) and a
+    64-column block (8 KiB) are multiples of 1 KiB, so a row's swizzled offsets in stage 0 hold in every
+    stage and column block: a thread computes them once per row, not once per store."""
 
     sK_layout: Any  # the swizzled K layout (the swizzle is applied here, on byte offsets)
     k_base: Any  # bf16 pointer to this CTA's K stages
@@ -630,14 +670,26 @@ class PeerStores:
     rank: Any  # this CTA's rank in the cluster (the peer is 1 - rank)
 
     @cute.jit
-    def store16(self, tok, col, stage, words, w0, full_bar):
-        """8 bf16 (words[w0 : w0 + 4]) to K[tok, col : col + 8] of the peer's stage."""
-        # The 128-byte swizzle acts on byte offsets: 16-byte chunk bits [4, 7) ^= row bits [7, 10).
-        b = cute.crd2idx((tok, col, stage), self.sK_layout.outer) * 2
-        b = b ^ ((b >> 3) & 0x70)
-        off = cute.assume(b >> 1, divby=8)
+    def offset(self, tok, col):
+        """Element offset of K[tok, col : col + 8] in stage 0."""
+        b = cute.crd2idx((tok, col, 0), self.sK_layout.outer) * 2
+        return (b ^ ((b >> 3) & 0x70)) >> 1
+
+    @cute.jit
+    def store_local(self, off, stage, words, w0):
+        """words[w0 : w0 + 4] (8 bf16) at element ``off`` of this CTA's stage."""
+        dst = cute.make_tensor(
+            cute.recast_ptr(self.k_base + cute.assume(off + stage * STAGE_ELEMS, divby=8), dtype=cutlass.Int32),
+            cute.make_layout((WORDS,)),
+        )
+        cute.autovec_copy(cute.local_tile(words, (WORDS,), (w0 // WORDS,)), dst)
+
+    @cute.jit
+    def store_peer(self, off, stage, words, w0, full_bar):
+        """words[w0 : w0 + 4] at element ``off`` of the peer's stage, completing bytes on its ``full_bar``."""
         cute.arch.store_async_dsmem(
-            self.k_base + off, (words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3]), full_bar, 1 - self.rank
+            self.k_base + cute.assume(off + stage * STAGE_ELEMS, divby=8),
+            (words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3]), full_bar, 1 - self.rank,
         )
 
     @cute.jit
@@ -645,21 +697,16 @@ class PeerStores:
         cute.arch.store_async_dsmem(self.bias_base + (stage * BLOCK_N + tok), bits, full_bar, 1 - self.rank)
 
     @cute.jit
-    def copy_warp_rows(self, stage, full_bar, warp, j):
-        """Copy ``j`` of producer warp ``warp``'s rows into the same bytes of the peer's stage, completing
-        bytes on the peer's ``full_bar``.  The warp's rows are two quads, 32 rank + 16 q + 4 warp + 0..3
-        (q = 0, 1); a quad's 128-byte pieces of a 64-column block are contiguous and swizzled the same
-        way in both CTAs.  j < 18: quad j / 9, column block j % 9; j = 18, 19: the bias of quad j - 18."""
-        if j < 2 * (D_QK // SUB_COLS):
-            q = j // (D_QK // SUB_COLS)
-            blk = j - q * (D_QK // SUB_COLS)
-            row = self.rank * (BLOCK_N // 2) + q * ROWS_PER_ROUND + 4 * warp
-            off = cute.crd2idx((row, blk * SUB_COLS, stage), self.sK_layout.outer)
-            bulk_copy_to_peer(self.k_base + cute.assume(off, divby=256), full_bar, 4 * SUB_COLS * 2, 1 - self.rank)
+    def copy_warp_block(self, stage, full_bar, warp, j):
+        """Copy producer warp ``warp``'s 8 rows (32 rank + 8 warp + 0..7, an 8-row swizzle atom, swizzled the
+        same way in both CTAs) of column block ``j`` into the same bytes of the peer's stage, completing
+        bytes on the peer's ``full_bar``; j = 9: the rows' bias."""
+        row = self.rank * (BLOCK_N // 2) + 8 * warp
+        if j < D_QK // SUB_COLS:
+            off = cute.crd2idx((row, j * SUB_COLS, stage), self.sK_layout.outer)
+            bulk_copy_to_peer(self.k_base + cute.assume(off, divby=512), full_bar, 8 * SUB_COLS * 2, 1 - self.rank)
         else:
-            q = j - 2 * (D_QK // SUB_COLS)
-            row = self.rank * (BLOCK_N // 2) + q * ROWS_PER_ROUND + 4 * warp
-            bulk_copy_to_peer(self.bias_base + cute.assume(stage * BLOCK_N + row, divby=4), full_bar, 4 * 4,
+            bulk_copy_to_peer(self.bias_base + cute.assume(stage * BLOCK_N + row, divby=8), full_bar, 8 * 4,
                               1 - self.rank)
 
 
