@@ -213,11 +213,19 @@ class SplitKVConsumer:
         rescale_o(acc_o, alpha)
 
     @cute.jit
-    def update_max(self, rows, i: cutlass.Constexpr, tile_max, scale_log2, alpha, base):
+    def update_max(self, rows, i: cutlass.Constexpr, tile_max, scale_log2, alpha, base, slack: cutlass.Constexpr = 0.0):
         """Row ``i``'s running max after a tile whose row max (raw score) is ``tile_max``: sets ``alpha[i]``
         = 2^(old - new max) (the factor for O and the sum, applied to the sum here) and ``base[i]``, the
-        exponent's offset."""
+        exponent's offset.
+
+        With ``slack`` > 0 the max moves only when the tile's exceeds it by more than ``slack`` (log2
+        units): P stays below 2^slack, and most tiles' factor is exactly 1, so the caller skips
+        rescaling O.  The lse and the output use the same max, so only rounding changes."""
         new_max = cute.arch.fmax(rows.row_max[i], tile_max)
+        if cutlass.const_expr(slack > 0.0):
+            # A first key (old max -inf) always moves it: inf > slack.  No key at all: NaN, kept at -inf.
+            if (tile_max - rows.row_max[i]) * scale_log2 <= slack:
+                new_max = rows.row_max[i]
         # No key seen yet (new max -inf): base 0, so masked scores give 2^-inf = 0, never NaN.
         safe = new_max
         if new_max == -cutlass.Float32.inf:

@@ -38,6 +38,11 @@ from cutlass.cute.nvgpu import warpgroup
 from .consumer import BLOCK_M, BLOCK_N, HALF_V, ConsumerBarriers, SplitKVConsumer, rescale_o
 
 
+# The leader's running max moves only when a tile's row max exceeds it by more than this (log2 units):
+# both warpgroups then skip rescaling their half of O on most tiles.
+MAX_SLACK = 8.0
+
+
 class LeaderBarrier(enum.IntEnum):
     """Named hardware barriers of the two consumer warpgroups (0 is __syncthreads)."""
 
@@ -118,7 +123,8 @@ class LeaderFollowerConsumer(SplitKVConsumer):
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
         base = cute.make_rmem_tensor((2,), cutlass.Float32)
         for i in cutlass.range_constexpr(2):
-            self.update_max(rows, i, cute.arch.warp_reduction_max(cur[i], threads_in_group=4), scale_log2, alpha, base)
+            self.update_max(rows, i, cute.arch.warp_reduction_max(cur[i], threads_in_group=4), scale_log2, alpha, base,
+                            slack=MAX_SLACK)
         self.exp_scores(v.acc_s, rows, base, scale_log2)
         v.rPc.store(v.acc_s.load().to(self.dtype))
         rescale_o(v.acc_o, alpha)
