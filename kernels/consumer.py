@@ -339,6 +339,12 @@ class SplitKVConsumer:
                 cute.autovec_copy(pair, cute.local_tile(row, (2,), ((col_base + c) // 2,)))
 
 
+# A running max moves only when a tile's row max exceeds it by more than this (log2 units), so P stays
+# below 2^8 and the factor of most tiles is exactly 1: the warpgroups skip rescaling O (the leader-
+# follower and seesaw softmaxes; FlashAttention 4's conditional rescaling).
+MAX_SLACK = 8.0
+
+
 @cute.jit
 def rescale_o(acc_o, factor):
     """O rows *= factor (per accumulator row pair); skipped once the row maxima have settled."""

@@ -35,12 +35,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import warpgroup
 
-from .consumer import BLOCK_M, BLOCK_N, HALF_V, ConsumerBarriers, SplitKVConsumer, rescale_o
-
-
-# The leader's running max moves only when a tile's row max exceeds it by more than this (log2 units):
-# both warpgroups then skip rescaling their half of O on most tiles.
-MAX_SLACK = 8.0
+from .consumer import BLOCK_M, BLOCK_N, HALF_V, MAX_SLACK, ConsumerBarriers, SplitKVConsumer, rescale_o
 
 
 class LeaderBarrier(enum.IntEnum):

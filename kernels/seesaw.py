@@ -35,6 +35,7 @@ from .consumer import (
     BLOCK_N,
     D_QK,
     HALF_V,
+    MAX_SLACK,
     ConsumerBarriers,
     LengthMask,
     SplitKVConsumer,
@@ -172,7 +173,8 @@ class SeesawConsumer(SplitKVConsumer):
 
     @cute.jit
     def publish_row_max(self, v, rows, sM, sScale, cur, col: cutlass.Constexpr, chained=None):
-        """Running max m = max(sM, cur) of this thread's rows: writes m to sM and the factor 2^(old - m)
+        """Running max m = max(sM, cur) of this thread's rows (sM while cur is within ``MAX_SLACK`` of it):
+        writes m to sM and the factor 2^(old - m)
         to column ``col`` of sScale (one thread per row), returns (factor, base for the exponent).
         ``chained``: also set to factor * sScale[:, 0] (warpgroup 0's factor of this pair), read
         before the row's thread publishes."""
@@ -182,6 +184,10 @@ class SeesawConsumer(SplitKVConsumer):
         for i in cutlass.range_constexpr(2):
             old = sM[rows.row0 + 8 * i, 0]
             new_max[i] = cute.arch.fmax(old, cur[i])
+            # Within MAX_SLACK of the old max it stays (a first key moves it: inf > slack; no key at
+            # all, NaN: stays -inf).
+            if cur[i] - old <= MAX_SLACK:
+                new_max[i] = old
             alpha[i], base[i] = rescale_pair(old, new_max[i])
             if cutlass.const_expr(chained is not None):
                 chained[i] = alpha[i] * sScale[rows.row0 + 8 * i, 0]

@@ -7,10 +7,12 @@ scheduler record over the requests' ``topk_length`` (64-token blocks), as in den
 Warpgroup roles (384 threads):
   WG0      producer (all 128 threads).  Warp 0 also issues the Q tile's TMA copy
            (64 heads x 576 of token s, once per request).  Per 64-token tile each thread
-           gathers 4 token rows (2 with the crossover): thread t reads 16-byte piece ``t % 8`` of each 128-byte
-           segment of row ``16 k + t / 8`` (coalesced 128-byte reads, 6 per row: 4 latent,
-           the scales, 1 RoPE), dequantizes fp8 x scale to bf16 and stores the row into
-           the swizzled K tile.  An invalid token (index -1 or outside the cache, or past
+           gathers 4 token rows (2 with the crossover): thread t reads 16-byte piece ``t % 8`` of each
+           128-byte segment of its rows (coalesced 128-byte reads, 6 per row: 4 latent, the
+           scales, 1 RoPE), rows ``16 k + t / 8`` (with the bulk hand-over ``32 rank + 8 (t / 32)
+           + (t % 32) / 8`` and 4 further: a warp's rows consecutive), dequantizes fp8 x scale to
+           bf16 (the scale rounded to bf16, as FlashMLA does) and stores the row into the
+           swizzled K tile.  An invalid token (index -1 or outside the cache, or past
            ``topk_length``) is not read: its row is written as zeros and its score bias is
            -inf.  With the leader-follower consumers a thread loads all its rows of a tile
            before converting the first (4, or 2 with the crossover: 1.06-1.08x over 2 at a time
@@ -41,10 +43,11 @@ Crossover (``schedule.crossover``, the 64-head tiles of a token in pairs: h_q = 
 a 2-CTA cluster along the grid's y.  Each CTA gathers rows ``32 rank .. 32 rank + 31`` of
 every tile (2 per thread) and stores them locally; the peer gets them at the same offsets,
 completing bytes on its KV full barrier (one of its 128 local arrivals also expects the
-``PEER_TX_BYTES``).  The hand-over (``schedule.peer_bulk_copy``): once a producer warp has
-stored its 8 rows, it fences and 20 of its lanes issue one ``cp.async.bulk`` shared::cluster
-copy each (its two quads of rows in each of the nine 64-column blocks, 512 bytes each, and the
-quads' bias); or st.async stores of every converted 16 bytes.  KV empty counts 512 arrivals
+``PEER_TX_BYTES``).  The hand-over (``schedule.peer_bulk_copy``): a producer warp stores its
+8 consecutive rows piece by piece, and after each piece (two 64-column blocks) fences, syncs and
+two lanes issue one ``cp.async.bulk`` shared::cluster copy each (8 rows of a block: one 1 KiB
+swizzle atom); the RoPE block and the rows' bias go last; or st.async stores of every converted
+16 bytes.  KV empty counts 512 arrivals
 (both CTAs' consumers), because the peer writes into this CTA's stages.  Cluster barriers after
 the barrier setup and before exit (the consumers arrive before their last epilogue).
 
