@@ -101,17 +101,22 @@ def refill_cache(k_cache, block_table, lens, gen=None, scale=0.1):
 
 
 def make_sparse_case(b, s_q, h_q, s_k, topk, page, *, invalid_frac=0.1, out_of_range=False, topk_length=None,
-                     attn_sink=None, seed=0, device="cuda"):
+                     attn_sink=None, seed=0, growing=False, device="cuda"):
     """A sparse FP8 decode case as FlashMLA's tests build it: each request owns ceil(s_k / page) randomly
     placed blocks of a 656-byte FP8 cache; each query picks topk of its request's s_k tokens (distinct
     while topk <= s_k, -1 beyond that), a fraction set to -1; ``out_of_range`` replaces another
-    fraction with values outside the cache (never read)."""
+    fraction with values outside the cache (never read).  ``growing``: cache row r scaled by
+    2^(10 r / rows), q by 10, and each query's indices in ascending order, so its scores grow along
+    the topk order by hundreds in log2 units."""
     from mla_cute.fp8 import quantize_kv_cache
 
     gen = torch.Generator().manual_seed(seed)
     blocks_per_req = math.ceil(s_k / page)
     nb = b * blocks_per_req + 1
-    cache16 = (torch.randn(nb, page, 1, 576, generator=gen) * 0.1).clamp(-1, 1).to(torch.bfloat16)
+    cache16 = (torch.randn(nb, page, 1, 576, generator=gen) * 0.1).clamp(-1, 1)
+    if growing:
+        cache16 = cache16 * torch.pow(2.0, torch.linspace(0, 10, nb * page)).view(nb, page, 1, 1)
+    cache16 = cache16.to(torch.bfloat16)
     k_cache = quantize_kv_cache(cache16)
     perm = torch.randperm(nb, generator=gen)[: b * blocks_per_req].view(b, blocks_per_req)
     idx = torch.full((b, s_q, topk), -1, dtype=torch.int64)
@@ -127,8 +132,11 @@ def make_sparse_case(b, s_q, h_q, s_k, topk, page, *, invalid_frac=0.1, out_of_r
         high = torch.randint(nb * page, 2**31 - 1, idx.shape, generator=gen)
         low = torch.randint(-(2**31), -1, idx.shape, generator=gen)
         idx[bad] = torch.where(torch.rand(idx.shape, generator=gen) < 0.5, high, low)[bad]
-    q = (torch.randn(b, s_q, h_q, 576, generator=gen) * 0.1).clamp(-1, 1).to(torch.bfloat16)
-    case = dict(q=q.to(device), k_cache=k_cache.to(device), indices=idx.to(torch.int32).to(device))
+    q = (torch.randn(b, s_q, h_q, 576, generator=gen) * 0.1).clamp(-1, 1)
+    if growing:
+        q = q * 10
+        idx = idx.sort(dim=-1).values
+    case = dict(q=q.to(torch.bfloat16).to(device), k_cache=k_cache.to(device), indices=idx.to(torch.int32).to(device))
     if topk_length is not None:
         case["topk_length"] = torch.as_tensor(topk_length, dtype=torch.int32).to(device)
     if attn_sink is not None:
