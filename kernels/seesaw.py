@@ -174,8 +174,8 @@ class SeesawConsumer(SplitKVConsumer):
     @cute.jit
     def publish_row_max(self, v, rows, sM, sScale, cur, col: cutlass.Constexpr, chained=None):
         """Running max m = max(sM, cur) of this thread's rows (sM while cur is within ``MAX_SLACK`` of it):
-        writes m to sM and the factor 2^(old - m)
-        to column ``col`` of sScale (one thread per row), returns (factor, base for the exponent).
+        writes m to sM and the factor 2^(old - m) to column ``col`` of sScale (one thread per row),
+        returns (factor, base for the exponent).
         ``chained``: also set to factor * sScale[:, 0] (warpgroup 0's factor of this pair), read
         before the row's thread publishes."""
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
