@@ -532,13 +532,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 kv_state.advance()
             q_pipe.consumer_release(q_state)
             q_state.advance()
-            if cutlass.const_expr(self.crossover):
-                if req == work.end_req:
-                    cute.arch.cluster_arrive()  # no remote access after this (see ``kernel``)
+            self.exit_arrive_after(req, work)
             self.epilogue(v, rows, bars, sSum, outs, work, scale_log2, req, tile)
-        if cutlass.const_expr(self.crossover):
-            if work.begin_req > work.end_req:
-                cute.arch.cluster_arrive()  # an idle part
+        self.exit_arrive_if_idle(work)
 
     @cute.jit
     def lead(self, v, sScale, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile,
@@ -569,13 +565,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 kv_state.advance()
             q_pipe.consumer_release(q_state)
             q_state.advance()
-            if cutlass.const_expr(self.crossover):
-                if req == work.end_req:
-                    cute.arch.cluster_arrive()  # no remote access after this (see ``kernel``)
+            self.exit_arrive_after(req, work)
             self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile)
-        if cutlass.const_expr(self.crossover):
-            if work.begin_req > work.end_req:
-                cute.arch.cluster_arrive()  # an idle part
+        self.exit_arrive_if_idle(work)
 
     @cute.jit
     def follow(self, v, sScale, sSum, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile,
@@ -598,13 +590,25 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 kv_state.advance()
                 if blk + 1 < last:
                     bars.p_free.arrive()
-            if cutlass.const_expr(self.crossover):
-                if req == work.end_req:
-                    cute.arch.cluster_arrive()
+            self.exit_arrive_after(req, work)
             self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile)
             # A request's last P_FREE waits for the epilogue: the leader's next sums go into sSum.
             if (req != work.end_req) & (last > first):
                 bars.p_free.arrive()
+        self.exit_arrive_if_idle(work)
+
+    @cute.jit
+    def exit_arrive_after(self, req, work):
+        """With the crossover, after the part's last tile (request ``req`` the last): arrive on the exit
+        cluster barrier (see ``kernel``).  No remote access follows, and arriving before the epilogue
+        keeps the arrive's release from waiting for the epilogue's stores."""
+        if cutlass.const_expr(self.crossover):
+            if req == work.end_req:
+                cute.arch.cluster_arrive()
+
+    @cute.jit
+    def exit_arrive_if_idle(self, work):
+        """With the crossover, a part with no request still arrives on the exit cluster barrier."""
         if cutlass.const_expr(self.crossover):
             if work.begin_req > work.end_req:
                 cute.arch.cluster_arrive()
