@@ -20,15 +20,15 @@ pytestmark = pytest.mark.compile
 def recorder(monkeypatch):
     import mla_cute.kernels.build as build
 
-    calls = {"compile": 0, "steps": [], "scheduler": []}
+    calls = {"compile": 0, "steps": [], "scheduler": [], "combine": []}
 
     def compile_dense_decode(dtype, s_q, h_q, h_kv, causal, page, schedule, options="", *, with_combine=False):
-        assert with_combine, "the runtime calls split + combine through one entry"
         calls["compile"] += 1
         calls["static"] = (dtype, s_q, h_q, h_kv, causal, page, schedule)
 
         def step(*args):
             calls["steps"].append(args)
+            calls["combine"].append(with_combine)
 
         return step
 
@@ -83,8 +83,10 @@ def test_plan_is_reused_and_keeps_its_schedule(recorder):
     q, k_cache, block_table, seqlens = _inputs(h_kv=1)
     meta = get_mla_metadata()[0]
     cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, True, sched)
+    compiled = recorder["compile"]  # the step with the combine, and the split kernel alone (no split here)
     cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, False, sched)
-    assert recorder["compile"] == 1 and len(recorder["scheduler"]) == 1 and len(recorder["steps"]) == 2
+    assert compiled == 2 and recorder["compile"] == 2 and len(recorder["scheduler"]) == 1
+    assert len(recorder["steps"]) == 2 and recorder["combine"] == [False, False]
     assert recorder["steps"][0][8] is recorder["steps"][1][8], "the split workspace is allocated once"
     with pytest.raises(ValueError, match="schedule"):
         cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, False,
@@ -112,12 +114,16 @@ def test_unsupported_configurations_raise(page, fp8, match):
 def sparse_recorder(monkeypatch):
     import mla_cute.kernels.build as build
 
-    calls = {"compile": [], "steps": [], "scheduler": []}
+    calls = {"compile": [], "steps": [], "scheduler": [], "combine": []}
 
     def compile_sparse_decode(s_q, h_q, has_sink, schedule, options="", *, with_combine=False):
-        assert with_combine
         calls["compile"].append((s_q, h_q, has_sink, schedule))
-        return lambda *args: calls["steps"].append(args)
+
+        def step(*args):
+            calls["steps"].append(args)
+            calls["combine"].append(with_combine)
+
+        return step
 
     def compile_scheduler(fixed_cost, options=""):
         def run(lengths, sched, splits):
@@ -166,6 +172,53 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     assert sparse_recorder["steps"][1][3].tolist() == [128, 128, 128]
     with pytest.raises(ValueError, match="attn_sink"):
         cute.sparse_decode(q, k_cache, indices, None, sink, 0.25, meta, False, sched)
+
+
+@pytest.mark.parametrize("lengths,parts,combine", [
+    ([5, 0, 2000], 5, True),  # the 32-block request is split over parts
+    ([5, 0, 200], 5, False),  # every request fits one part
+    ([4096] * 128, 66, False),  # the dense b = 128, 4K, h_q = 128 benchmark row: two requests a part
+    ([8192] * 128, 66, True),
+])
+def test_dense_combine_only_when_the_plan_splits(recorder, lengths, parts, combine):
+    """A plan that splits no request leaves the combine out: each part writes its outputs itself."""
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, plan_splits
+
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    _, num_splits = plan_splits(seqlens, parts, 64, sched.split_fixed_cost)
+    assert bool((num_splits.diff() > 1).any()) == combine
+    q, k_cache, block_table, _ = _inputs(b=len(lengths), h_kv=1, page=64)
+    cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, get_mla_metadata()[0], True, sched)
+    assert recorder["combine"] == [combine]
+
+
+def test_sparse_combine_only_when_the_plan_splits(sparse_recorder):
+    """Without topk_length every length is topk, so the host knows whether the plan splits; with it
+    the lengths live on the device and the combine always runs."""
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    q, k_cache, indices = _sparse_inputs(b=3, topk=1024)
+    for parts, topk_length, combine in ((3, None, False), (2, None, True),
+                                        (3, torch.full((3,), 1024, dtype=torch.int32), True)):
+        sched = SparseDecodeSchedule(num_sm_parts=parts)
+        cute.sparse_decode(q, k_cache, indices, topk_length, None, 0.25, get_mla_metadata()[0], True, sched)
+        assert sparse_recorder["combine"][-1] == combine, (parts, topk_length)
+
+
+def test_precompile_loads_both_entries(recorder, sparse_recorder):
+    """Whether a plan needs the combine is known only at its first call, so precompiling loads both."""
+    from mla_cute.backends import cute
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SparseDecodeSchedule
+
+    cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64, DEFAULT_DENSE_SCHEDULE)
+    assert recorder["compile"] == 2
+    cute.precompile_sparse(2, 128, False, SparseDecodeSchedule())
+    assert len(sparse_recorder["compile"]) == 2
 
 
 def test_sparse_cache_layout_the_kernel_cannot_read():

@@ -13,7 +13,7 @@ import torch
 
 from ..backend import num_sms
 from ..fp8 import FP8_BYTES_PER_TOKEN
-from ..schedules import num_sm_parts_for, sparse_num_sm_parts_for
+from ..schedules import num_sm_parts_for, plan_splits, sparse_num_sm_parts_for
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.sparse import SparseDecodeSchedule
 
@@ -78,6 +78,15 @@ def _split_workspace(meta, lengths, parts: int, fixed_cost: int, b: int, h_kv: i
     return o_accum, lse_accum
 
 
+def plan_has_split(lengths: torch.Tensor, parts: int, fixed_cost: int) -> bool:
+    """Whether the split-KV plan of these lengths splits a request, so a combine must merge partials.
+    The host planner is the GPU scheduler's specification (both give the same records), so this is
+    what the scheduler kernel plans on the device.  Without a split every request's output comes
+    from one part, which writes it directly."""
+    _, num_splits = plan_splits(lengths.detach().to("cpu", torch.int64).clamp(min=0), parts, 64, fixed_cost)
+    return bool((num_splits[1:] - num_splits[:-1]).max() > 1)
+
+
 def _reused_plan(meta, kind: str, first: bool, schedule):
     """The plan a metadata object already holds for ``kind``, or None when one must be built."""
     plan = meta._state.get(kind)
@@ -113,7 +122,14 @@ class DensePlan:
         self.schedule, self.b, self.s_q, self.h_q, self.h_kv, self.dtype = schedule, b, s_q, h_q, h_kv, q.dtype
         self.facts = self.q_rows = None
         parts = schedule.num_sm_parts or num_sm_parts_for(num_sms(q.device), s_q, h_q, h_kv)
+        # The first call has read the lengths on the host already (its value checks), unless a CUDA
+        # graph is being captured: a plan that splits no request leaves the combine out.
+        # The step with the combine is loaded in any case: a CUDA graph captured later plans on the
+        # device and needs it, and nothing can be loaded during a capture.
         self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=True)
+        capturing = cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and not plan_has_split(cache_seqlens, parts, schedule.split_fixed_cost):
+            self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=False)
         self.o_accum, self.lse_accum = _split_workspace(
             meta, cache_seqlens, parts, schedule.split_fixed_cost, b, h_kv, s_q * (h_q // h_kv), q.device
         )
@@ -171,7 +187,8 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
     from ..kernels.build import compile_dense_decode, compile_scheduler
 
     schedule.validate()
-    compile_dense_decode(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, schedule, with_combine=True)
+    for with_combine in (True, False):  # a plan that splits no request leaves the combine out
+        compile_dense_decode(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, schedule, with_combine=with_combine)
     compile_scheduler(schedule.split_fixed_cost)
 
 
@@ -199,7 +216,13 @@ class SparsePlan:
         b, s_q, h_q, _ = q.shape
         self.schedule, self.b, self.s_q, self.h_q, self.has_sink, self.dtype = schedule, b, s_q, h_q, has_sink, q.dtype
         parts = schedule.num_sm_parts or sparse_num_sm_parts_for(num_sms(q.device), s_q, h_q)
+        # Without topk_length the host knows every length, hence the plan: when it splits no
+        # request, the split kernel writes every output itself and the combine is left out.  The
+        # step with the combine is loaded in any case, for a CUDA graph captured later.
         self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True)
+        if topk_length is None and not plan_has_split(
+                torch.full((b,), topk, dtype=torch.int64), parts, schedule.split_fixed_cost):
+            self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False)
         # Without topk_length every request has topk tokens; the kernel reads this tensor then.
         self.topk_len = None if topk_length is not None else torch.full((b,), topk, dtype=torch.int32, device=q.device)
         lengths = (topk_length if topk_length is not None else self.topk_len).clamp(1, topk)
@@ -236,5 +259,6 @@ def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule) -> Non
     from ..kernels.build import compile_scheduler, compile_sparse_decode
 
     schedule.validate()
-    compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True)
+    for with_combine in (True, False):  # a plan that splits no request leaves the combine out
+        compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=with_combine)
     compile_scheduler(schedule.split_fixed_cost)
