@@ -132,6 +132,13 @@ def _check_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, l
             "tile_scheduler_metadata was computed for another configuration (" + ", ".join(diffs) + "); "
             "call get_mla_metadata() again for a new configuration"
         )
+    if (lengths is None) != (meta._lengths_copy is None):
+        # Sparse decode only (dense always has cache_seqlens): the plan was made for the lengths
+        # given, or for topk tokens each.
+        raise ValueError(
+            "topk_length must be given on every call with this tile_scheduler_metadata or on none "
+            f"(first call: {'given' if meta._lengths_copy is not None else 'None'})"
+        )
     if lengths is not None and (lengths is not meta._lengths_ref or _lengths_key(lengths) != meta._lengths_key):
         capturing = lengths.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing and not torch.equal(lengths, meta._lengths_copy):
@@ -206,12 +213,16 @@ def flash_mla_with_kvcache(
         out ``[b, s_q, h_q, 512]`` (q dtype) and lse ``[b, h_q, s_q]`` float32, natural
         log; a query with nothing to attend has out 0 and lse +inf.
     """
-    if (indices is None and num_splits is None and attn_sink is None and topk_length is None
-            and extra_k_cache is None and extra_indices_in_kvcache is None and extra_topk_length is None
-            and type(tile_scheduler_metadata) is FlashMLASchedMeta
+    if (num_splits is None and extra_k_cache is None and extra_indices_in_kvcache is None
+            and extra_topk_length is None and type(tile_scheduler_metadata) is FlashMLASchedMeta
             and tile_scheduler_metadata._replay is not None):
-        done = _replay_dense(tile_scheduler_metadata, q, k_cache, block_table, cache_seqlens, head_dim_v,
-                             softmax_scale, causal, is_fp8_kvcache, schedule, backend)
+        if indices is None and attn_sink is None and topk_length is None:
+            done = _replay_dense(tile_scheduler_metadata, q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                 softmax_scale, causal, is_fp8_kvcache, schedule, backend)
+        else:
+            done = _replay_sparse(tile_scheduler_metadata, q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                  softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length,
+                                  schedule, backend)
         if done is not None:
             return done
     if num_splits is not None:
@@ -284,9 +295,13 @@ def flash_mla_with_kvcache(
         if first:
             _fill_sparse_reference_metadata(tile_scheduler_metadata, q, indices.shape[-1], topk_length, sched)
         return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v)
-    return cute.sparse_decode(
+    out, lse = cute.sparse_decode(
         q, k_cache, indices, topk_length, attn_sink, softmax_scale, tile_scheduler_metadata, first, sched,
     )
+    tile_scheduler_metadata._replay = cute.replay_sparse_plan(
+        tile_scheduler_metadata, q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
+        causal, is_fp8_kvcache)
+    return out, lse
 
 
 def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
@@ -298,6 +313,8 @@ def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, soft
     the scale, or the backend (argument or environment).
     """
     plan = meta._replay
+    if not isinstance(plan, cute.DensePlan):
+        return None
     if softmax_scale is None:
         softmax_scale = _DEFAULT_SCALE
     elif type(softmax_scale) not in (float, int) or not softmax_scale > 0:
@@ -319,6 +336,37 @@ def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, soft
     if (backend if backend is not None else os.environ.get(ENV_VAR)) not in (None, "", "cute"):
         return None
     return cute.replay_dense(plan, q, k_cache, block_table, cache_seqlens, meta, float(softmax_scale))
+
+
+def _replay_sparse(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
+                   indices, attn_sink, topk_length, schedule, backend):
+    """The launch of a sparse decode call whose every checked fact matches the last call that passed
+    all checks (as ``_replay_dense``: None sends the call down the checked path)."""
+    plan = meta._replay
+    if not isinstance(plan, cute.SparsePlan):
+        return None
+    if softmax_scale is None:
+        softmax_scale = _DEFAULT_SCALE
+    elif type(softmax_scale) not in (float, int) or not softmax_scale > 0:
+        return None
+    # topk_length (or its absence) as the metadata was checked against: the same tensor, storage,
+    # shape and version.
+    if topk_length is not meta._lengths_ref or type(causal) is not bool:
+        return None
+    try:
+        facts = cute.sparse_call_facts(q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens,
+                                       head_dim_v, causal, is_fp8_kvcache)
+    except (AttributeError, TypeError):  # not tensors: the full path names the argument
+        return None
+    if facts != plan.facts or (topk_length is not None and _lengths_key(topk_length) != meta._lengths_key):
+        return None
+    sched = schedule if schedule is not None else (
+        _schedule_override.get().get(SparseDecodeSchedule) or DEFAULT_SPARSE_SCHEDULE)
+    if sched is not plan.schedule and sched != plan.schedule:
+        return None
+    if (backend if backend is not None else os.environ.get(ENV_VAR)) not in (None, "", "cute"):
+        return None
+    return cute.replay_sparse(plan, q, k_cache, indices, topk_length, attn_sink, meta, float(softmax_scale))
 
 
 def flash_mla_sparse_fwd(

@@ -474,3 +474,136 @@ def test_replay_follows_the_backend_variable(api_on_cute, monkeypatch):
     assert api_on_cute["checks"] == 2 and len(api_on_cute["steps"]) == 2, "the reference ran the third call"
     _call(q, k_cache, block_table, seqlens, meta, backend="cute")  # the argument overrides the variable
     assert api_on_cute["checks"] == 2 and len(api_on_cute["steps"]) == 3
+
+
+# ------------------------------------------------------ replay of a checked sparse call
+@pytest.fixture
+def sparse_api_on_cute(sparse_recorder, monkeypatch):
+    """The public API's sparse path routed to the cute backend on CPU tensors, counting the checks."""
+    import mla_cute.api as api
+
+    monkeypatch.setattr(api, "select_backend",
+                        lambda device, backend=None: backend or os.environ.get("MLA_CUTE_BACKEND") or "cute")
+    real = api.V.check_sparse_decode
+    sparse_recorder["checks"] = 0
+
+    def counted(*args):
+        sparse_recorder["checks"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(api.V, "check_sparse_decode", counted)
+    return sparse_recorder
+
+
+def _sparse_call(q, k_cache, indices, meta, **kw):
+    import mla_cute
+
+    return mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=indices,
+                                           **kw)
+
+
+@pytest.mark.parametrize("with_lengths_and_sink", [False, True])
+def test_sparse_replay_skips_the_checks_of_an_identical_call(sparse_api_on_cute, with_lengths_and_sink):
+    from mla_cute.api import get_mla_metadata
+
+    q, k_cache, indices = _sparse_inputs()
+    kw = dict(topk_length=torch.tensor([0, 70, 128], dtype=torch.int32), attn_sink=torch.zeros(128)) \
+        if with_lengths_and_sink else {}
+    meta = get_mla_metadata()[0]
+    _sparse_call(q, k_cache, indices, meta, **kw)
+    q2, indices2 = torch.randn_like(q), torch.randint_like(indices, -1, 256)  # a new step: same facts
+    if with_lengths_and_sink:
+        kw["attn_sink"] = torch.ones(128)  # the sink's values are read on every call
+    out, lse = _sparse_call(q2, k_cache, indices2, meta, softmax_scale=0.25, **kw)
+    assert sparse_api_on_cute["checks"] == 1, "the second call replays"
+    first, second = sparse_api_on_cute["steps"]
+    assert second[0] is q2 and second[2] is indices2 and second[6] is out and second[7] is lse
+    assert all(a is b for a, b in zip(first[3:6] + first[8:10], second[3:6] + second[8:10]))
+    assert torch.equal(first[1], second[1]) and second[1].dtype == torch.int32
+    assert math.isclose(second[11], 0.25 * math.log2(math.e), rel_tol=1e-12)
+    assert (second[10] is kw["attn_sink"]) if with_lengths_and_sink else second[10] is None
+
+
+def _sparse_changes(q, k_cache, indices):
+    """Sparse calls that differ from the checked one in one fact each: all must take the checked path."""
+    wide = torch.randn(q.shape[:-1] + (640,)).to(q.dtype)[..., :576]
+    wide.copy_(q)
+    raw = torch.empty(q.numel() * 2 + 8, dtype=torch.uint8)
+    shifted = raw[8:8 + q.numel() * 2].view(q.dtype).view(q.shape)
+    shifted.copy_(q)
+    strided = torch.empty(indices.shape[:-1] + (2 * indices.shape[-1],), dtype=indices.dtype)[..., ::2]
+    strided.copy_(indices)
+    return {
+        "q strides": dict(q=wide),
+        "q alignment": dict(q=shifted),
+        "k_cache blocks": dict(k_cache=torch.cat([k_cache, k_cache[:1]])),
+        "indices strides": dict(indices=strided),
+    }
+
+
+@pytest.mark.parametrize("change", ["q strides", "q alignment", "k_cache blocks", "indices strides"])
+def test_sparse_replay_takes_the_checked_path_when_a_fact_differs(sparse_api_on_cute, change):
+    from mla_cute.api import get_mla_metadata
+
+    base = dict(zip(("q", "k_cache", "indices"), _sparse_inputs()))
+    meta = get_mla_metadata()[0]
+    _sparse_call(**base, meta=meta)
+    args = {**base, **_sparse_changes(**base)[change]}
+    _sparse_call(**args, meta=meta)
+    assert sparse_api_on_cute["checks"] == 2
+    step = sparse_api_on_cute["steps"][-1]
+    assert step[0].data_ptr() % 16 == 0 and step[2].stride(-1) == 1
+    _sparse_call(**args, meta=meta)  # the new facts replay from now on
+    assert sparse_api_on_cute["checks"] == 2 and len(sparse_api_on_cute["steps"]) == 3
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(causal=True), ValueError, "causal must be False"),
+    (dict(q="q"), TypeError, "q must be a torch.Tensor"),
+    (dict(indices="i"), TypeError, "indices must be a torch.Tensor"),
+    (dict(is_fp8_kvcache=False), ValueError, "is_fp8_kvcache"),
+    (dict(head_dim_v=256), ValueError, "head_dim_v"),
+    (dict(attn_sink=torch.zeros(128)), ValueError, "attn_sink must be given on every call"),
+    (dict(topk_length=torch.full((3,), 128, dtype=torch.int32)), ValueError, "topk_length must be given on every"),
+    (dict(schedule="default"), TypeError, "schedule"),
+    (dict(num_splits=4), ValueError, "num_splits"),
+])
+def test_sparse_replay_never_hides_an_error(sparse_api_on_cute, bad, error, match):
+    import mla_cute
+    from mla_cute.api import get_mla_metadata
+
+    q, k_cache, indices = _sparse_inputs()
+    meta = get_mla_metadata()[0]
+    _sparse_call(q, k_cache, indices, meta)
+    args = dict(q=q, k_cache=k_cache, indices=indices, is_fp8_kvcache=True, head_dim_v=512)
+    args.update(bad)
+    with pytest.raises(error, match=match):
+        mla_cute.flash_mla_with_kvcache(args.pop("q"), args.pop("k_cache"), None, None, args.pop("head_dim_v"), meta,
+                                        **args)
+
+
+def test_sparse_replay_sees_lengths_written_in_place_schedules_and_the_backend(sparse_api_on_cute, monkeypatch):
+    import mla_cute
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.schedules import SERIAL_SPARSE_SCHEDULE
+
+    q, k_cache, indices = _sparse_inputs()
+    lengths = torch.tensor([0, 70, 128], dtype=torch.int32)
+    meta = get_mla_metadata()[0]
+    _sparse_call(q, k_cache, indices, meta, topk_length=lengths)
+    with pytest.raises(ValueError, match="schedule"):
+        _sparse_call(q, k_cache, indices, meta, topk_length=lengths, schedule=SERIAL_SPARSE_SCHEDULE)
+    with mla_cute.use_schedule(SERIAL_SPARSE_SCHEDULE), pytest.raises(ValueError, match="schedule"):
+        _sparse_call(q, k_cache, indices, meta, topk_length=lengths)
+    monkeypatch.setenv("MLA_CUTE_BACKEND", "reference")
+    steps = len(sparse_api_on_cute["steps"])
+    _sparse_call(q, k_cache, indices, meta, topk_length=lengths)
+    assert len(sparse_api_on_cute["steps"]) == steps, "the reference ran the call"
+    monkeypatch.delenv("MLA_CUTE_BACKEND")
+    with pytest.raises(ValueError, match=r"topk_length must be given on every call .* \(first call: given\)"):
+        _sparse_call(q, k_cache, indices, meta)
+    lengths[1] += 1
+    with pytest.raises(ValueError, match="cache_seqlens/topk_length values"):
+        _sparse_call(q, k_cache, indices, meta, topk_length=lengths)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from gpu_cases import assert_close_flashmla, make_dense_case, poison_allocator, refill_cache
+from gpu_cases import assert_close_flashmla, make_dense_case, make_sparse_case, poison_allocator, refill_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -120,3 +120,40 @@ def test_metadata_reused_across_layers_and_steps(h_q, h_kv, s_q, causal, monkeyp
             torch.cuda.synchronize()
             check(out, lse, reference(q, cache, block_table, seqlens, causal))
     assert len(checked) == 1, "only the first call takes the checked path"
+
+
+@pytest.mark.parametrize("b,topk,lengths_and_sink", [(64, 128, False), (8, 256, True)])
+def test_sparse_metadata_reused_across_layers_and_steps(b, topk, lengths_and_sink, monkeypatch):
+    """A sparse decode loop: one metadata object per step, a cache per layer, new q, indices and sink
+    values each call.  After the first call the API replays the checked plan; every call must still
+    match the reference.  b = 64, topk 128: the plan splits nothing (no combine); b = 8, topk 256
+    with topk_length: it splits."""
+    import mla_cute
+    import mla_cute.api as api
+
+    checked = []
+    real = api.cute.sparse_decode
+    monkeypatch.setattr(api.cute, "sparse_decode", lambda *args: checked.append(1) or real(*args))
+    s_q, h_q, layers = 2, 128, 3
+    gen = torch.Generator().manual_seed(7)
+    extra = {}
+    if lengths_and_sink:
+        extra["topk_length"] = torch.randint(0, topk + 1, (b,), generator=gen).to(torch.int32).cuda()
+        extra["attn_sink"] = torch.empty(h_q, device="cuda")
+    for step in range(2):
+        meta = mla_cute.get_mla_metadata()[0]
+        for layer in range(layers):
+            case = make_sparse_case(b, s_q, h_q, 1024, topk, 64, seed=100 * step + layer)
+            if lengths_and_sink:
+                extra["attn_sink"].copy_(torch.randn(h_q, generator=gen))
+            poison_allocator()
+            out, lse = mla_cute.flash_mla_with_kvcache(
+                block_table=None, cache_seqlens=None, head_dim_v=512, tile_scheduler_metadata=meta,
+                is_fp8_kvcache=True, backend="cute", **case, **extra)
+            torch.cuda.synchronize()
+            ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(
+                block_table=None, cache_seqlens=None, head_dim_v=512,
+                tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], is_fp8_kvcache=True, backend="reference",
+                **case, **extra)
+            check(out, lse, (ref_out, ref_lse))
+    assert len(checked) == 2, "only each step's first call takes the checked path"

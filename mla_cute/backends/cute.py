@@ -8,6 +8,7 @@ calls reuse both and cross into compiled code once (split + combine behind one e
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -207,7 +208,8 @@ def check_sparse_supported(k_cache: torch.Tensor) -> None:
 class SparsePlan:
     """What a metadata object holds for the sparse cute kernel: compiled step, lengths, workspace."""
 
-    __slots__ = ("schedule", "step", "topk_len", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype")
+    __slots__ = ("schedule", "step", "topk_len", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype",
+                 "facts")
 
     def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta):
         from ..kernels.build import compile_sparse_decode
@@ -215,12 +217,15 @@ class SparsePlan:
         schedule.validate()
         b, s_q, h_q, _ = q.shape
         self.schedule, self.b, self.s_q, self.h_q, self.has_sink, self.dtype = schedule, b, s_q, h_q, has_sink, q.dtype
+        self.facts = None
         parts = schedule.num_sm_parts or sparse_num_sm_parts_for(num_sms(q.device), s_q, h_q)
         # Without topk_length the host knows every length, hence the plan: when it splits no
         # request, the split kernel writes every output itself and the combine is left out.  The
-        # step with the combine is loaded in any case, for a CUDA graph captured later.
+        # step with the combine is loaded in any case, for a CUDA graph captured later, and a
+        # capture keeps it (nothing can be loaded during one).
         self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True)
-        if topk_length is None and not plan_has_split(
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if topk_length is None and not capturing and not plan_has_split(
                 torch.full((b,), topk, dtype=torch.int64), parts, schedule.split_fixed_cost):
             self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False)
         # Without topk_length every request has topk tokens; the kernel reads this tensor then.
@@ -242,6 +247,11 @@ def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, me
             "attn_sink must be given on every call with this tile_scheduler_metadata or on none "
             f"(first call: {'given' if plan.has_sink else 'None'})"
         )
+    return _launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta)
+
+
+def _launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta):
+    """Allocate the outputs and run the compiled sparse step once."""
     out, lse = _outputs(plan, q.device)
     plan.step(
         q if _aligned(q) else _packed_copy(q),
@@ -249,10 +259,43 @@ def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, me
         indices if indices.stride(-1) == 1 else indices.contiguous(),
         topk_length if topk_length is not None else plan.topk_len,
         meta.tile_scheduler_metadata, meta.num_splits, out, lse, plan.o_accum, plan.lse_accum,
-        attn_sink.contiguous() if has_sink else None,
+        attn_sink.contiguous() if attn_sink is not None else None,
         softmax_scale * _LOG2_E,
     )
     return out, lse
+
+
+def _tensor_facts(t) -> Optional[tuple]:
+    """What the checks read of an optional tensor argument (raises AttributeError for a non-tensor)."""
+    if t is None:
+        return None
+    return (type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+
+
+def sparse_call_facts(q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
+                      causal, is_fp8_kvcache) -> tuple:
+    """Everything the checks of a sparse call read, except topk_length's identity and values (the
+    metadata tracks those)."""
+    return (
+        _tensor_facts(q), _tensor_facts(k_cache), _tensor_facts(indices), _tensor_facts(topk_length),
+        _tensor_facts(attn_sink), _tensor_facts(block_table), _tensor_facts(cache_seqlens),
+        head_dim_v, causal, is_fp8_kvcache,
+    )
+
+
+def replay_sparse_plan(meta, q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
+                       causal, is_fp8_kvcache) -> SparsePlan:
+    """Mark the metadata's sparse plan replayable for calls with the facts of this one, which just
+    passed every check in ``sparse_decode``."""
+    plan = meta._state["sparse"]
+    plan.facts = sparse_call_facts(q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens,
+                                   head_dim_v, causal, is_fp8_kvcache)
+    return plan
+
+
+def replay_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink, meta, softmax_scale):
+    """The launch of ``sparse_decode`` for a call ``replay_sparse_plan`` vouched for."""
+    return _launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta)
 
 
 def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule) -> None:
