@@ -5,7 +5,8 @@ Random distinct topk tokens per query out of its request's s_k, page 64, random 
 placement, 656-byte FP8 rows (random e4m3 values, power-of-two scales, bf16 RoPE), no
 topk_length, no sink, metadata computed on the first call and reused; after 0.5 s of GPU
 work, time = median of triton.testing.do_bench(fn, warmup=10, rep=100) over the whole call
-(split kernel + combine, or the split kernel alone when the plan splits no request).  FLOPs = 2*b*s_q*h_q*topk*(576+512); bytes = b*s_q*topk*656 + 2*b*s_q*h_q*(576+512).
+(split kernel + combine, or the split kernel alone when the plan splits no request).
+FLOPs = 2*b*s_q*h_q*topk*(576+512); bytes = b*s_q*topk*656 + 2*b*s_q*h_q*(576+512).
 
     python benchmarks/bench_sparse.py [--out results.json] [--quick] [--schedules default,...]
 """

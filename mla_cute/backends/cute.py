@@ -2,7 +2,9 @@
 
 The first call with a metadata object runs the scheduler kernel (on the GPU, no host
 synchronisation, so a CUDA graph can capture it) and sizes the split workspace; later
-calls reuse both and cross into compiled code once (split + combine behind one entry).
+calls reuse both and cross into compiled code once (split + combine behind one entry, or the
+split kernel alone when the host planner, run over lengths the host already has, splits no
+request).
 """
 
 from __future__ import annotations
@@ -123,10 +125,10 @@ class DensePlan:
         self.schedule, self.b, self.s_q, self.h_q, self.h_kv, self.dtype = schedule, b, s_q, h_q, h_kv, q.dtype
         self.facts = self.q_rows = None
         parts = schedule.num_sm_parts or num_sm_parts_for(num_sms(q.device), s_q, h_q, h_kv)
-        # The first call has read the lengths on the host already (its value checks), unless a CUDA
-        # graph is being captured: a plan that splits no request leaves the combine out.
         # The step with the combine is loaded in any case: a CUDA graph captured later plans on the
-        # device and needs it, and nothing can be loaded during a capture.
+        # device and needs it, and nothing can be loaded during a capture.  The first call has read
+        # the lengths on the host for its value checks (not inside a capture, which keeps the
+        # combine), so a plan that splits no request leaves the combine out.
         self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=True)
         capturing = cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing and not plan_has_split(cache_seqlens, parts, schedule.split_fixed_cost):
