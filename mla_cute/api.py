@@ -313,29 +313,20 @@ def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, soft
     the scale, or the backend (argument or environment).
     """
     plan = meta._replay
-    if not isinstance(plan, cute.DensePlan):
-        return None
-    if softmax_scale is None:
-        softmax_scale = _DEFAULT_SCALE
-    elif type(softmax_scale) not in (float, int) or not softmax_scale > 0:
-        return None
+    scale = _replay_scale(softmax_scale)
     # The lengths tensor the metadata was checked against, unchanged since: same object, storage,
     # shape and version (in-place writes bump it; assigning ``.data`` moves the storage).
-    if cache_seqlens is not meta._lengths_ref or type(causal) is not bool:
+    if (not isinstance(plan, cute.DensePlan) or scale is None or cache_seqlens is not meta._lengths_ref
+            or type(causal) is not bool):
         return None
     try:
         facts = cute.dense_call_facts(q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcache)
     except AttributeError:  # not tensors: the full path names the argument
         return None
-    if facts != plan.facts or _lengths_key(cache_seqlens) != meta._lengths_key:
+    if (facts != plan.facts or _lengths_key(cache_seqlens) != meta._lengths_key
+            or not _replay_schedule_and_backend(plan, schedule, DenseDecodeSchedule, backend)):
         return None
-    sched = schedule if schedule is not None else (
-        _schedule_override.get().get(DenseDecodeSchedule) or DEFAULT_DENSE_SCHEDULE)
-    if sched is not plan.schedule and sched != plan.schedule:
-        return None
-    if (backend if backend is not None else os.environ.get(ENV_VAR)) not in (None, "", "cute"):
-        return None
-    return cute.replay_dense(plan, q, k_cache, block_table, cache_seqlens, meta, float(softmax_scale))
+    return cute.replay_dense(plan, q, k_cache, block_table, cache_seqlens, meta, scale)
 
 
 def _replay_sparse(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
@@ -343,30 +334,39 @@ def _replay_sparse(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, sof
     """The launch of a sparse decode call whose every checked fact matches the last call that passed
     all checks (as ``_replay_dense``: None sends the call down the checked path)."""
     plan = meta._replay
-    if not isinstance(plan, cute.SparsePlan):
-        return None
-    if softmax_scale is None:
-        softmax_scale = _DEFAULT_SCALE
-    elif type(softmax_scale) not in (float, int) or not softmax_scale > 0:
-        return None
+    scale = _replay_scale(softmax_scale)
     # topk_length (or its absence) as the metadata was checked against: the same tensor, storage,
     # shape and version.
-    if topk_length is not meta._lengths_ref or type(causal) is not bool:
+    if (not isinstance(plan, cute.SparsePlan) or scale is None or topk_length is not meta._lengths_ref
+            or type(causal) is not bool):
         return None
     try:
         facts = cute.sparse_call_facts(q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens,
                                        head_dim_v, causal, is_fp8_kvcache)
     except (AttributeError, TypeError):  # not tensors: the full path names the argument
         return None
-    if facts != plan.facts or (topk_length is not None and _lengths_key(topk_length) != meta._lengths_key):
+    if (facts != plan.facts or (topk_length is not None and _lengths_key(topk_length) != meta._lengths_key)
+            or not _replay_schedule_and_backend(plan, schedule, SparseDecodeSchedule, backend)):
         return None
-    sched = schedule if schedule is not None else (
-        _schedule_override.get().get(SparseDecodeSchedule) or DEFAULT_SPARSE_SCHEDULE)
+    return cute.replay_sparse(plan, q, k_cache, indices, topk_length, attn_sink, meta, scale)
+
+
+def _replay_scale(softmax_scale) -> Optional[float]:
+    """A replayed call's scale; None when the checked path must judge it."""
+    if softmax_scale is None:
+        return _DEFAULT_SCALE
+    if type(softmax_scale) not in (float, int) or not softmax_scale > 0:
+        return None
+    return float(softmax_scale)
+
+
+def _replay_schedule_and_backend(plan, schedule, kind: type, backend) -> bool:
+    """Whether this call's schedule (argument, ``use_schedule``, default) is the plan's and its backend
+    (argument, else the environment variable) is the cute one."""
+    sched = schedule if schedule is not None else (_schedule_override.get().get(kind) or _DEFAULTS[kind])
     if sched is not plan.schedule and sched != plan.schedule:
-        return None
-    if (backend if backend is not None else os.environ.get(ENV_VAR)) not in (None, "", "cute"):
-        return None
-    return cute.replay_sparse(plan, q, k_cache, indices, topk_length, attn_sink, meta, float(softmax_scale))
+        return False
+    return (backend if backend is not None else os.environ.get(ENV_VAR)) in (None, "", "cute")
 
 
 def flash_mla_sparse_fwd(

@@ -342,22 +342,27 @@ def test_misaligned_contiguous_q_is_copied_to_aligned_storage(recorder, sparse_r
 
 
 # ------------------------------------------------------- replay of a checked dense call
-@pytest.fixture
-def api_on_cute(recorder, monkeypatch):
-    """The public API routed to the cute backend on CPU tensors, counting the full-path checks."""
+def _on_cute(monkeypatch, calls, check: str):
+    """The public API routed to the cute backend on CPU tensors, counting the calls of the full path's
+    ``validation.<check>`` in ``calls["checks"]``."""
     import mla_cute.api as api
 
     monkeypatch.setattr(api, "select_backend",
                         lambda device, backend=None: backend or os.environ.get("MLA_CUTE_BACKEND") or "cute")
-    real = api.V.check_dense
-    recorder["checks"] = 0
+    real = getattr(api.V, check)
+    calls["checks"] = 0
 
     def counted(*args):
-        recorder["checks"] += 1
+        calls["checks"] += 1
         return real(*args)
 
-    monkeypatch.setattr(api.V, "check_dense", counted)
-    return recorder
+    monkeypatch.setattr(api.V, check, counted)
+    return calls
+
+
+@pytest.fixture
+def api_on_cute(recorder, monkeypatch):
+    return _on_cute(monkeypatch, recorder, "check_dense")
 
 
 def _call(q, k_cache, block_table, seqlens, meta, **kw):
@@ -479,20 +484,7 @@ def test_replay_follows_the_backend_variable(api_on_cute, monkeypatch):
 # ------------------------------------------------------ replay of a checked sparse call
 @pytest.fixture
 def sparse_api_on_cute(sparse_recorder, monkeypatch):
-    """The public API's sparse path routed to the cute backend on CPU tensors, counting the checks."""
-    import mla_cute.api as api
-
-    monkeypatch.setattr(api, "select_backend",
-                        lambda device, backend=None: backend or os.environ.get("MLA_CUTE_BACKEND") or "cute")
-    real = api.V.check_sparse_decode
-    sparse_recorder["checks"] = 0
-
-    def counted(*args):
-        sparse_recorder["checks"] += 1
-        return real(*args)
-
-    monkeypatch.setattr(api.V, "check_sparse_decode", counted)
-    return sparse_recorder
+    return _on_cute(monkeypatch, sparse_recorder, "check_sparse_decode")
 
 
 def _sparse_call(q, k_cache, indices, meta, **kw):
