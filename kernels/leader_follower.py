@@ -94,7 +94,23 @@ class LeaderFollowerConsumer(SplitKVConsumer):
     # ---------------------------------------------------------------- the leader
     @cute.jit
     def leader_qk(self, v, stage):
-        """S = Q K^T over the stage's 64 tokens and 576 features (waits for the tensor cores)."""
+        """S = Q K^T over the stage's 64 tokens and 576 features (waits for the tensor cores).
+
+        With ``qk_stage_copies`` (a kernel attribute): one copy of the 36 MMAs per stage, each with
+        the stage a constant, so their K descriptors are constant offsets of the shared-memory base,
+        in uniform registers (with the stage in a register, each MMA took an add, a move and two
+        R2UR).  The copies are an if / else: without the else ptxas serialises every WGMMA of the
+        kernel."""
+        if cutlass.const_expr(self.qk_stage_copies):
+            if stage == 0:
+                self.leader_qk_stage(v, 0)
+            else:
+                self.leader_qk_stage(v, 1)
+        else:
+            self.leader_qk_stage(v, stage)
+
+    @cute.jit
+    def leader_qk_stage(self, v, stage):
         warpgroup.fence()
         cute.gemm(v.mmas.qk_first, v.acc_s, v.tSrQ[None, None, 0], v.tSrK[None, None, 0, stage], v.acc_s)
         for kb in cutlass.range_constexpr(1, cute.size(v.tSrQ, mode=[2])):

@@ -138,6 +138,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # bulk copies once each producer warp has stored its rows.
         self.peer_stores = self.crossover and not schedule.peer_bulk_copy
         self.peer_bulk = self.crossover and schedule.peer_bulk_copy
+        # The leader's S as one copy per stage (``leader_follower.leader_qk``): 0.4-1.3% on the
+        # crossover's rows; the whole-tile gather's kernel spills with the copies (2% slower).
+        self.qk_stage_copies = self.crossover and self.kv_stages == 2
         self.row_step = 4 if self.peer_bulk else ROWS_PER_ROUND  # between a thread's rows of a tile
         self.leader_follower = schedule.leader_follower
         if self.leader_follower:
