@@ -47,8 +47,8 @@ class LeaderBarrier(enum.IntEnum):
 
 
 class LeaderFollowerConsumer(SplitKVConsumer):
-    """Leader and follower methods; a kernel class sets ``dtype``, ``kv_stages``, ``causal``,
-    ``group``, ``s_q``."""
+    """Leader and follower methods; a kernel class sets ``dtype``, ``kv_stages``, ``qk_stage_copies``,
+    ``causal``, ``group``, ``s_q``."""
 
     @cute.jit
     def lf_view(self, mmas, sQ, sK, sV, sP, wg: cutlass.Constexpr, tid) -> "LeaderFollowerView":
