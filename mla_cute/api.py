@@ -258,9 +258,10 @@ def flash_mla_with_kvcache(
             causal, is_fp8_kvcache, None,
         )
         first = _check_metadata(tile_scheduler_metadata, config, cache_seqlens)
+        host_lengths = None  # read by the value checks; not inside a CUDA graph capture
         if first:
             if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-                V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
+                host_lengths = V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
             _bind_metadata(tile_scheduler_metadata, config, cache_seqlens)
         causal = causal and q.shape[1] > 1
         if kind == "reference":
@@ -270,6 +271,7 @@ def flash_mla_with_kvcache(
             return reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, causal, head_dim_v)
         out, lse = cute.dense_decode(
             q, k_cache, block_table, cache_seqlens, softmax_scale, causal, tile_scheduler_metadata, first, sched,
+            host_lengths,
         )
         tile_scheduler_metadata._replay = cute.replay_plan(
             tile_scheduler_metadata, q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcache)
@@ -348,7 +350,7 @@ def _replay_sparse(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, sof
     if (facts != plan.facts or (topk_length is not None and _lengths_key(topk_length) != meta._lengths_key)
             or not _replay_schedule_and_backend(plan, schedule, SparseDecodeSchedule, backend)):
         return None
-    return cute.replay_sparse(plan, q, k_cache, indices, topk_length, attn_sink, meta, scale)
+    return cute.launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, scale, meta)
 
 
 def _replay_scale(softmax_scale) -> Optional[float]:

@@ -75,8 +75,10 @@ def check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcac
     check_same_device("q", q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens)
 
 
-def check_dense_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, page: int, num_blocks: int) -> None:
-    """Value checks (one host sync): lengths covered by the block table, block ids in range."""
+def check_dense_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, page: int,
+                       num_blocks: int) -> torch.Tensor:
+    """Value checks (one host sync): lengths covered by the block table, block ids in range.  Returns the
+    lengths on the host (int64, CPU), read by the same transfer."""
     max_blocks = block_table.shape[1]
     lens = cache_seqlens.long()
     needed = (lens + page - 1) // page  # blocks each request uses
@@ -84,7 +86,8 @@ def check_dense_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, p
     used = pos < needed.unsqueeze(1)
     bad_ids = (used & ((block_table < 0) | (block_table >= num_blocks))).flatten().long()
     first_bad = bad_ids.argmax() if bad_ids.numel() else torch.zeros_like(lens.max())
-    lo, hi, any_bad, flat = torch.stack([lens.min(), lens.max(), bad_ids.sum(), first_bad]).tolist()
+    host = torch.cat([torch.stack([lens.min(), lens.max(), bad_ids.sum(), first_bad]), lens]).cpu()
+    lo, hi, any_bad, flat = host[:4].tolist()
     if lo < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got a minimum of {lo}")
     if hi > max_blocks * page:
@@ -98,6 +101,7 @@ def check_dense_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, p
             f"block_table[{i}, {j}] = {int(block_table[i, j])} is used by cache_seqlens[{i}] but is outside "
             f"[0, num_blocks={num_blocks})"
         )
+    return host[4:]
 
 
 def _check_topk_length_and_sink(topk_length, length_shape: tuple, length_what: str, attn_sink, h_q: int) -> None:

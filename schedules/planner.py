@@ -70,6 +70,20 @@ def plan_splits(
     Returns:
         (records int32 ``[num_parts, 8]``, num_splits int32 ``[b + 1]``), on the CPU.
     """
+    records, num_splits = _walk(_host_lengths(seqlens, num_parts, block_n, fixed_cost), num_parts, block_n,
+                                fixed_cost)
+    return torch.tensor(records, dtype=torch.int32).view(num_parts, RECORD_SIZE), torch.tensor(num_splits, dtype=torch.int32)
+
+
+def plan_has_split(seqlens: torch.Tensor, num_parts: int, block_n: int = 64, fixed_cost: int = 5) -> bool:
+    """Whether ``plan_splits`` (hence the scheduler kernel) splits a request over parts, so a combine must
+    merge partials.  Without a split every request's output comes from one part, which writes it."""
+    _, num_splits = _walk(_host_lengths(seqlens, num_parts, block_n, fixed_cost), num_parts, block_n, fixed_cost)
+    return any(b - a > 1 for a, b in zip(num_splits, num_splits[1:]))
+
+
+def _host_lengths(seqlens: torch.Tensor, num_parts: int, block_n: int, fixed_cost: int) -> list:
+    """The lengths as Python ints, after checking the planner's arguments."""
     if num_parts < 1:
         raise ValueError(f"num_parts must be >= 1, got {num_parts}")
     if block_n < 1:
@@ -77,22 +91,28 @@ def plan_splits(
     if fixed_cost < 0:
         raise ValueError(f"fixed_cost must be >= 0, got {fixed_cost}")
     lens = [int(x) for x in seqlens.detach().to("cpu", torch.int64).tolist()]
-    b = len(lens)
-    if b == 0:
+    if not lens:
         raise ValueError("seqlens must hold at least one request")
     if min(lens) < 0:
         raise ValueError(f"seqlens must be >= 0, got min {min(lens)}")
+    return lens
 
+
+def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int) -> tuple[list, list]:
+    """The greedy walk: (one record per part as a list, the prefix sums of the split counts).  Plain
+    Python lists: the runtime runs it on a plan's first call, and a tensor per part cost about 10 us
+    each."""
+    b = len(lens)
     # Blocks [first, last] per request; length 0 still has block 0 (written as empty).
     last_block = [max(n - 1, 0) // block_n for n in lens]
     num_blocks = [lb + 1 for lb in last_block]
     total = sum(nb + fixed_cost for nb in num_blocks)
     payload = -(-total // num_parts) + fixed_cost
 
-    records = torch.zeros(num_parts, RECORD_SIZE, dtype=torch.int32)
+    records = []
     num_splits = [0] * (b + 1)
     req, block, split_idx, cum = 0, 0, 0, 0
-    for part in range(num_parts):
+    for _ in range(num_parts):
         begin_req, begin_block, begin_split = req, block, split_idx
         first_split = block != 0
         remain = payload
@@ -116,10 +136,7 @@ def plan_splits(
         last_split = end_block != last_block[end_req] + 1 and lens[end_req] != 0
         if begin_req == end_req:
             first_split = last_split = first_split or last_split
-        records[part] = torch.tensor(
-            [begin_req, end_req, begin_block, end_block, begin_split, int(first_split), int(last_split), 0],
-            dtype=torch.int32,
-        )
+        records.append([begin_req, end_req, begin_block, end_block, begin_split, int(first_split), int(last_split), 0])
     if not (req == b and block == 0 and split_idx == 0):
         raise AssertionError("planner did not place every block (internal error)")
-    return records, torch.tensor(num_splits, dtype=torch.int32)
+    return records, num_splits

@@ -110,6 +110,23 @@ def test_random_lengths(seed):
         plan_and_check(lens, num_parts, fixed_cost)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_has_split_reads_the_split_counts(seed):
+    """The runtime leaves out the combine on ``plan_has_split``'s word: it must be the plan's own."""
+    from mla_cute.schedules import plan_has_split
+
+    rng = random.Random(100 + seed)
+    seen = set()
+    for _ in range(60):
+        lens = torch.tensor([rng.randint(0, rng.choice([64, 4096, 20000])) for _ in range(rng.randint(1, 80))])
+        num_parts, fixed_cost = rng.choice([1, 7, 33, 66, 132]), rng.choice([0, 5])
+        _, num_splits = plan_splits(lens, num_parts, BLOCK_N, fixed_cost)
+        split = bool((num_splits.diff() > 1).any())
+        assert plan_has_split(lens, num_parts, BLOCK_N, fixed_cost) == split
+        seen.add(split)
+    assert seen == {False, True}
+
+
 @pytest.mark.parametrize("num_parts", [1, 3, 132])
 def test_some_zero_lengths(num_parts):
     rng = random.Random(num_parts)

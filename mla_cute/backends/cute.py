@@ -9,6 +9,7 @@ request).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -16,7 +17,7 @@ import torch
 
 from ..backend import num_sms
 from ..fp8 import FP8_BYTES_PER_TOKEN
-from ..schedules import num_sm_parts_for, plan_splits, sparse_num_sm_parts_for
+from ..schedules import num_sm_parts_for, plan_has_split, sparse_num_sm_parts_for
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.sparse import SparseDecodeSchedule
 
@@ -81,15 +82,6 @@ def _split_workspace(meta, lengths, parts: int, fixed_cost: int, b: int, h_kv: i
     return o_accum, lse_accum
 
 
-def plan_has_split(lengths: torch.Tensor, parts: int, fixed_cost: int) -> bool:
-    """Whether the split-KV plan of these lengths splits a request, so a combine must merge partials.
-    The host planner is the GPU scheduler's specification (both give the same records), so this is
-    what the scheduler kernel plans on the device.  Without a split every request's output comes
-    from one part, which writes it directly."""
-    _, num_splits = plan_splits(lengths.detach().to("cpu", torch.int64).clamp(min=0), parts, 64, fixed_cost)
-    return bool((num_splits[1:] - num_splits[:-1]).max() > 1)
-
-
 def _reused_plan(meta, kind: str, first: bool, schedule):
     """The plan a metadata object already holds for ``kind``, or None when one must be built."""
     plan = meta._state.get(kind)
@@ -116,7 +108,7 @@ class DensePlan:
 
     __slots__ = ("schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype", "facts", "q_rows")
 
-    def __init__(self, q, k_cache, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens):
+    def __init__(self, q, k_cache, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens, host_lengths):
         from ..kernels.build import compile_dense_decode
 
         schedule.validate()
@@ -126,12 +118,11 @@ class DensePlan:
         self.facts = self.q_rows = None
         parts = schedule.num_sm_parts or num_sm_parts_for(num_sms(q.device), s_q, h_q, h_kv)
         # The step with the combine is loaded in any case: a CUDA graph captured later plans on the
-        # device and needs it, and nothing can be loaded during a capture.  The first call has read
-        # the lengths on the host for its value checks (not inside a capture, which keeps the
-        # combine), so a plan that splits no request leaves the combine out.
+        # device and needs it, and nothing can be loaded during a capture.  With the lengths on the
+        # host (``host_lengths``, read by the first call's value checks; None inside a capture) the
+        # host planner tells whether any request is split; if none is, the combine is left out.
         self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=True)
-        capturing = cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing and not plan_has_split(cache_seqlens, parts, schedule.split_fixed_cost):
+        if host_lengths is not None and not plan_has_split(host_lengths, parts, 64, schedule.split_fixed_cost):
             self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=False)
         self.o_accum, self.lse_accum = _split_workspace(
             meta, cache_seqlens, parts, schedule.split_fixed_cost, b, h_kv, s_q * (h_q // h_kv), q.device
@@ -139,10 +130,12 @@ class DensePlan:
 
 
 def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, meta, first,
-                 schedule: DenseDecodeSchedule):
+                 schedule: DenseDecodeSchedule, host_lengths=None):
+    """``host_lengths``: ``cache_seqlens`` on the host when the caller has read them (a new plan then
+    leaves out the combine if it splits no request), else None."""
     plan = _reused_plan(meta, "dense", first, schedule)
     if plan is None:
-        plan = meta._state["dense"] = DensePlan(q, k_cache, causal, schedule, meta, cache_seqlens)
+        plan = meta._state["dense"] = DensePlan(q, k_cache, causal, schedule, meta, cache_seqlens, host_lengths)
     rows = query_rows(q, plan.h_kv)
     # With one KV head the rows are a plain view of q when the strides allow (same storage): a
     # replay of this call (``replay_plan``) then only re-views.  Grouped heads reorder, so they
@@ -227,8 +220,7 @@ class SparsePlan:
         # capture keeps it (nothing can be loaded during one).
         self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True)
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if topk_length is None and not capturing and not plan_has_split(
-                torch.full((b,), topk, dtype=torch.int64), parts, schedule.split_fixed_cost):
+        if topk_length is None and not capturing and not _topk_plan_has_split(b, topk, parts, schedule.split_fixed_cost):
             self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False)
         # Without topk_length every request has topk tokens; the kernel reads this tensor then.
         self.topk_len = None if topk_length is not None else torch.full((b,), topk, dtype=torch.int32, device=q.device)
@@ -236,6 +228,13 @@ class SparsePlan:
         self.o_accum, self.lse_accum = _split_workspace(
             meta, lengths, parts, schedule.split_fixed_cost, b, 1, s_q * h_q, q.device
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _topk_plan_has_split(b: int, topk: int, parts: int, fixed_cost: int) -> bool:
+    """Whether the plan of ``b`` requests of ``topk`` tokens each splits one: the same on every decode
+    step, so the host walk runs once."""
+    return plan_has_split(torch.full((b,), topk, dtype=torch.int64), parts, 64, fixed_cost)
 
 
 def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
@@ -249,11 +248,12 @@ def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, me
             "attn_sink must be given on every call with this tile_scheduler_metadata or on none "
             f"(first call: {'given' if plan.has_sink else 'None'})"
         )
-    return _launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta)
+    return launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta)
 
 
-def _launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta):
-    """Allocate the outputs and run the compiled sparse step once."""
+def launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta):
+    """Allocate the outputs and run the compiled sparse step once (``sparse_decode``, and the replay of a
+    call ``replay_sparse_plan`` vouched for)."""
     out, lse = _outputs(plan, q.device)
     plan.step(
         q if _aligned(q) else _packed_copy(q),
@@ -293,11 +293,6 @@ def replay_sparse_plan(meta, q, k_cache, indices, topk_length, attn_sink, block_
     plan.facts = sparse_call_facts(q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens,
                                    head_dim_v, causal, is_fp8_kvcache)
     return plan
-
-
-def replay_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink, meta, softmax_scale):
-    """The launch of ``sparse_decode`` for a call ``replay_sparse_plan`` vouched for."""
-    return _launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta)
 
 
 def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule) -> None:
