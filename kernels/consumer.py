@@ -268,11 +268,13 @@ class SplitKVConsumer:
             sV_half[col, tok, stage] = self.dtype(0.0)
 
     @cute.jit
-    def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, tile, max2=None):
+    def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, tile, max2=None, splits=None):
         """Normalise and write this request's rows of ``tile``: final output, or an fp32 partial.
 
         ``max2``: the rows' final max in log2 units, where the kernel keeps it (the seesaw
-        kernel's shared row max); None: ``rows.row_max`` times ``scale_log2``."""
+        kernel's shared row max); None: ``rows.row_max`` times ``scale_log2``.
+        ``splits``: ``num_splits[req]`` and ``num_splits[req + 1]``, loaded when the request began
+        (``load_splits``), or None: loaded here."""
         wg, tid, row0 = v.wg, v.tid, rows.row0
         row_sum = rows.row_sum
         for i in cutlass.range_constexpr(2):
@@ -294,7 +296,10 @@ class SplitKVConsumer:
                     lse2[i] = max2[i] + cute.math.log2(total, fastmath=False)
         # Both warpgroups read sSum above; the next request's writes come after later barriers.
 
-        n_splits = outs.num_splits[req + 1] - outs.num_splits[req]
+        if cutlass.const_expr(splits is None):
+            n_splits = outs.num_splits[req + 1] - outs.num_splits[req]
+        else:
+            n_splits = splits[1] - splits[0]
         col_base = wg * HALF_V
         if n_splits == 1:
             if cutlass.const_expr(outs.sink is not None):
@@ -313,7 +318,10 @@ class SplitKVConsumer:
                             lse = lse2[i] * LN_2
                         outs.lse[req, tile.kv_head, tile.row_base + r] = lse
         else:
-            split = outs.num_splits[req]
+            if cutlass.const_expr(splits is None):
+                split = outs.num_splits[req]
+            else:
+                split = splits[0]
             if req == work.begin_req:
                 split = split + work.begin_split
             self.store_pairs(v, inv, outs.o_accum, split, tile, col_base, cutlass.Float32)
@@ -343,6 +351,16 @@ class SplitKVConsumer:
 # below 2^8 and the factor of most tiles is exactly 1: the warpgroups skip rescaling O (the leader-
 # follower and seesaw softmaxes; FlashAttention 4's conditional rescaling).
 MAX_SLACK = 8.0
+
+
+@cute.jit
+def load_splits(outs, req):
+    """``num_splits[req]`` and ``num_splits[req + 1]`` into registers.  Loaded when a request begins, their
+    round trip to memory hides under its tiles instead of delaying its epilogue."""
+    splits = cute.make_rmem_tensor((2,), cutlass.Int32)
+    splits[0] = outs.num_splits[req]
+    splits[1] = outs.num_splits[req + 1]
+    return splits
 
 
 @cute.jit

@@ -78,6 +78,7 @@ from .consumer import (
     OutputTile,
     SplitOutputs,
     WorkSlice,
+    load_splits,
     make_consumer_mmas,
     make_q_pipeline,
     make_smem_layouts,
@@ -347,11 +348,18 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # waits for one round trip to memory per batch of rows instead of two.  With the
         # crossover they run two tiles ahead, and the next tile's rows are prefetched into L2
         # while this tile's are on their way (the whole-tile gather has no registers for that).
+        # The lookahead runs over the part's tiles in order, across requests, so a request's first
+        # tiles do not wait for their indices and rows at the boundary.
         next_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
         ahead_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
+        ahead = TileCursor.start(work, mTopkLen, topk)
+        self.load_indices(next_idx, mIndices, ahead, s_idx, row0)
+        if cutlass.const_expr(self.crossover):
+            ahead.advance(work, mTopkLen, topk)
+            self.load_indices(ahead_idx, mIndices, ahead, s_idx, row0)
+        lens = lengths_ahead(mTopkLen, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            limit = cutlass.min(mTopkLen[req], topk)
-            first, last = work.blocks(req, cutlass.max(limit, 1))
+            first, last = next_request(lens, mTopkLen, work, req, topk)
             if warp_idx == 0:
                 q_pipe.producer_acquire(q_state)
                 cute.copy(
@@ -359,18 +367,15 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                     tma_bar_ptr=q_pipe.producer_get_barrier(q_state),
                 )
             q_state.advance()
-            self.load_indices(next_idx, mIndices, req, s_idx, first, limit, row0)
-            if cutlass.const_expr(self.crossover):
-                self.load_indices(ahead_idx, mIndices, req, s_idx, first + 1, limit, row0)
             for blk in cutlass.range(first, last, unroll=1):
                 cur_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
                 cur_idx.store(next_idx.load())
+                ahead.advance(work, mTopkLen, topk)
                 if cutlass.const_expr(self.crossover):
                     next_idx.store(ahead_idx.load())
-                    if blk + 2 < last:
-                        self.load_indices(ahead_idx, mIndices, req, s_idx, blk + 2, limit, row0)
-                elif blk + 1 < last:
-                    self.load_indices(next_idx, mIndices, req, s_idx, blk + 1, limit, row0)
+                    self.load_indices(ahead_idx, mIndices, ahead, s_idx, row0)
+                else:
+                    self.load_indices(next_idx, mIndices, ahead, s_idx, row0)
                 if cutlass.const_expr(not self.crossover):
                     # Whole-tile gather: loading first measured no faster here, and makes ptxas
                     # spill in some configurations.
@@ -381,8 +386,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                         ok = (idx >= 0) & (idx < num_rows)
                         self.load_row(gather, k, mCache, idx, page, ok, lane)
                     if cutlass.const_expr(self.crossover and g == 0):
-                        if blk + 1 < last:
-                            self.prefetch_rows(mCache, next_idx, page, num_rows, lane)
+                        # The next tile's, of this request or the next (past the part's last tile: -1).
+                        self.prefetch_rows(mCache, next_idx, page, num_rows, lane)
                         # The rows are on their way while the consumers of both CTAs still use
                         # the stage (1.04-1.05x).
                         kv_pipe.producer_acquire(kv_state)
@@ -427,9 +432,11 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 kv_state.advance()
 
     @cute.jit
-    def load_indices(self, dst, mIndices, req, s_idx, blk, limit, row0):
-        """The cache indices of this thread's rows of tile ``blk`` (-1 past the request's length; positions
-        past topk, when topk is not a multiple of 64, are never read)."""
+    def load_indices(self, dst, mIndices, at, s_idx, row0):
+        """The cache indices of this thread's rows of the tile ``at`` (a ``TileCursor``) points to (-1 past
+        the request's length, and past the part's last tile; positions past topk, when topk is not a
+        multiple of 64, are never read)."""
+        req, blk, limit = at.pos[0], at.pos[1], at.pos[3]
         for r in cutlass.range_constexpr(self.rounds):
             pos = blk * BLOCK_N + row0 + self.row_step * r
             dst[r] = -1
@@ -521,8 +528,10 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 rank):
         rows, q_state, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
         bars = self.consumer_barriers()
+        lens = lengths_ahead(mTopkLen, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            first, last = request_tiles(work, req, mTopkLen, topk)
+            first, last = next_request(lens, mTopkLen, work, req, topk)
+            splits = load_splits(outs, req)
             self.start_rows(v, rows)
             q_pipe.consumer_wait(q_state)
             for blk in cutlass.range(first, last, unroll=1):
@@ -536,7 +545,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             q_pipe.consumer_release(q_state)
             q_state.advance()
             self.exit_arrive_after(req, work)
-            self.epilogue(v, rows, bars, sSum, outs, work, scale_log2, req, tile)
+            self.epilogue(v, rows, bars, sSum, outs, work, scale_log2, req, tile, splits=splits)
         self.exit_arrive_if_idle(work)
 
     @cute.jit
@@ -548,8 +557,10 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # The follower frees sP after every tile but this CTA's last: wait from the second tile on.
         seen = cute.make_rmem_tensor((1,), cutlass.Int32)
         seen[0] = 0
+        lens = lengths_ahead(mTopkLen, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            first, last = request_tiles(work, req, mTopkLen, topk)
+            first, last = next_request(lens, mTopkLen, work, req, topk)
+            splits = load_splits(outs, req)
             self.start_rows(v, rows)
             q_pipe.consumer_wait(q_state)
             for blk in cutlass.range(first, last, unroll=1):
@@ -569,7 +580,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             q_pipe.consumer_release(q_state)
             q_state.advance()
             self.exit_arrive_after(req, work)
-            self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile)
+            self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, splits=splits)
         self.exit_arrive_if_idle(work)
 
     @cute.jit
@@ -578,8 +589,10 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         """The follower: O_R of every tile from the leader's P."""
         rows, q_state, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
         bars = self.lf_barriers()
+        lens = lengths_ahead(mTopkLen, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            first, last = request_tiles(work, req, mTopkLen, topk)
+            first, last = next_request(lens, mTopkLen, work, req, topk)
+            splits = load_splits(outs, req)
             self.start_rows(v, rows)
             # The follower does not read Q, but the Q barrier counts all 8 consumer warps.
             q_pipe.consumer_wait(q_state)
@@ -594,7 +607,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 if blk + 1 < last:
                     bars.p_free.arrive()
             self.exit_arrive_after(req, work)
-            self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile)
+            self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, splits=splits)
             # A request's last P_FREE waits for the epilogue: the leader's next sums go into sSum.
             if (req != work.end_req) & (last > first):
                 bars.p_free.arrive()
@@ -721,10 +734,65 @@ class StageStores:
 
 
 @cute.jit
-def request_tiles(work, req, mTopkLen, topk):
-    """The consumers' tiles [first, last) of request ``req``: at least one, so a request with nothing
-    to attend still writes its rows."""
-    return work.blocks(req, cutlass.max(cutlass.min(mTopkLen[req], topk), 1))
+def lengths_ahead(mTopkLen, work):
+    """Registers for ``next_request``: [0] the current request's topk length, [1] the next one's, loaded a
+    request ahead so that a request boundary does not wait for a round trip to memory."""
+    lens = cute.make_rmem_tensor((2,), cutlass.Int32)
+    lens[1] = mTopkLen[part_request(work, work.begin_req)]
+    return lens
+
+
+@cute.jit
+def next_request(lens, mTopkLen, work, req, topk):
+    """Tiles [first, last) of request ``req`` (at least one, so a request with nothing to attend still
+    writes its rows), from the length loaded a request ago; starts loading request ``req + 1``'s."""
+    lens[0] = lens[1]
+    lens[1] = mTopkLen[part_request(work, req + 1)]
+    return work.blocks(req, cutlass.max(cutlass.min(lens[0], topk), 1))
+
+
+@cute.jit
+def part_request(work, req):
+    """``req`` clamped to the part's requests: loads ahead of the last one (or of an idle part) stay in
+    bounds without a branch."""
+    return cutlass.max(cutlass.min(req, work.end_req), 0)
+
+
+@dataclasses.dataclass
+class TileCursor:
+    """A position in the part's tiles taken in order across its requests: ``pos`` = (request, tile, the
+    request's end tile, its length clamped to topk; 0 past the part's last tile)."""
+
+    pos: Any
+    lens: Any
+
+    @staticmethod
+    @cute.jit
+    def start(work, mTopkLen, topk) -> "TileCursor":
+        pos = cute.make_rmem_tensor((4,), cutlass.Int32)
+        lens = lengths_ahead(mTopkLen, work)
+        first, last = next_request(lens, mTopkLen, work, work.begin_req, topk)
+        pos[0] = work.begin_req
+        pos[1] = first
+        pos[2] = last
+        pos[3] = cutlass.min(lens[0], topk)
+        if work.begin_req > work.end_req:
+            pos[3] = 0
+        return TileCursor(pos, lens)
+
+    @cute.jit
+    def advance(self, work, mTopkLen, topk):
+        """To the next tile: the next of this request, or the first of the next request."""
+        pos = self.pos
+        pos[1] = pos[1] + 1
+        if pos[1] >= pos[2]:
+            pos[0] = pos[0] + 1
+            first, last = next_request(self.lens, mTopkLen, work, pos[0], topk)
+            pos[1] = first
+            pos[2] = last
+            pos[3] = cutlass.min(self.lens[0], topk)
+            if pos[0] > work.end_req:
+                pos[3] = 0
 
 
 def set_registers(count: int, launch: int) -> None:
