@@ -11,7 +11,9 @@ What differs between kernels is where the tiles come from (the producer) and whi
 are masked: a kernel passes a mask record (``LengthMask``, or the sparse kernel's bias
 mask) to ``online_softmax``.  The epilogue writes final rows (FlashMLA's layouts, through
 ``layouts.py``) or fp32 partials with a base-2 lse for the combine kernel, optionally
-scaled by an attention sink.
+scaled by an attention sink.  Final rows leave from registers, or (``StagedRows``, the sparse
+leader-follower kernel) through shared memory and one bulk copy per row: under a busy memory
+system 64 stores per thread took 4-8 us and held up the loads of the next request's tiles.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -268,13 +271,17 @@ class SplitKVConsumer:
             sV_half[col, tok, stage] = self.dtype(0.0)
 
     @cute.jit
-    def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, tile, max2=None, splits=None):
+    def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, tile, max2=None, splits=None, staged=None):
         """Normalise and write this request's rows of ``tile``: final output, or an fp32 partial.
 
         ``max2``: the rows' final max in log2 units, where the kernel keeps it (the seesaw
         kernel's shared row max); None: ``rows.row_max`` times ``scale_log2``.
         ``splits``: ``num_splits[req]`` and ``num_splits[req + 1]``, loaded when the request began
-        (``load_splits``), or None: loaded here."""
+        (``load_splits``), or None: loaded here.
+        ``staged``: a ``StagedRows``: final rows go through shared memory and bulk copies (thread 0 of
+        warpgroup ``staged.issuer`` has issued them, and waited until they read shared memory, on
+        return); None: stored from registers.  Partials (fp32, twice the bytes) always leave from
+        registers."""
         wg, tid, row0 = v.wg, v.tid, rows.row0
         row_sum = rows.row_sum
         for i in cutlass.range_constexpr(2):
@@ -308,7 +315,10 @@ class SplitKVConsumer:
                     if row0 + 8 * i < tile.row_count:
                         sink2 = outs.sink[tile.head_base + row0 + 8 * i] * LOG2_E
                         inv[i] = inv[i] * sink_factor(sink2, lse2[i])
-            self.store_pairs(v, inv, outs.out, req, tile, col_base, self.dtype)
+            if cutlass.const_expr(staged is None):
+                self.store_pairs(v, inv, outs.out, req, tile, col_base, self.dtype)
+            else:
+                self.store_staged(v, inv, staged, outs.out, req, tile, col_base)
             if wg == 0 and tid % 4 == 0:
                 for i in cutlass.range_constexpr(2):
                     r = row0 + 8 * i
@@ -332,6 +342,26 @@ class SplitKVConsumer:
                         outs.lse_accum[split, tile.kv_head, tile.row_base + r] = lse2[i]
 
     @cute.jit
+    def store_staged(self, v, inv, staged, out, req, tile, col_base):
+        """O * inv into the staging rows, then (thread 0 of warpgroup ``staged.issuer``) one bulk copy per
+        row to ``out[req, kv_head, row]``, waited for until shared memory is read."""
+        for e in cutlass.range_constexpr(0, cute.size(v.acc_o), 2):
+            r, c = v.tOcO[e]
+            i = (e // 2) % 2
+            pair = cute.make_rmem_tensor((2,), self.dtype)
+            pair[0] = (v.acc_o[e] * inv[i]).to(self.dtype)
+            pair[1] = (v.acc_o[e + 1] * inv[i]).to(self.dtype)
+            cute.autovec_copy(pair, cute.local_tile(staged.rows[r, None], (2,), ((col_base + c) // 2,)))
+        cute.arch.fence_view_async_shared()  # the bulk copies read through the async proxy
+        staged.written.arrive_and_wait()
+        if v.wg == staged.issuer and v.tid == 0:
+            for k in cutlass.range(cutlass.min(tile.row_count, BLOCK_M), unroll=1):
+                bulk_copy_to_global(out[req, tile.kv_head, tile.row_base + k, None].iterator,
+                                    staged.rows[k, None].iterator, D_V * 2)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
     def store_pairs(self, v, inv, dst, first_mode, tile, col_base, dtype: cutlass.Constexpr):
         """O * inv into ``dst[first_mode, kv_head, row, col]``: accumulator values e and e + 1 (e even)
         are columns c and c + 1 of one row, so each pair leaves as one vector store (per-element
@@ -351,6 +381,26 @@ class SplitKVConsumer:
 # below 2^8 and the factor of most tiles is exactly 1: the warpgroups skip rescaling O (the leader-
 # follower and seesaw softmaxes; FlashAttention 4's conditional rescaling).
 MAX_SLACK = 8.0
+
+
+# Staging rows for final outputs: 16 bytes of padding per row, so the accumulator's stores, 8 rows
+# per instruction, fall in distinct banks.
+STAGED_PITCH = D_V + 8
+
+
+def staged_rows_layout():
+    """64 rows x 512 columns of 16-bit output at ``STAGED_PITCH`` elements per row (66 560 bytes)."""
+    return cute.make_layout((BLOCK_M, D_V), stride=(STAGED_PITCH, 1))
+
+
+@cutlass.dsl_user_op
+def bulk_copy_to_global(dst, src, nbytes: int, *, loc=None, ip=None):
+    """cp.async.bulk of ``nbytes`` from shared memory at ``src`` to global memory at ``dst`` (bulk
+    async-group completion: the caller commits and waits)."""
+    nvvm.cp_async_bulk_global_shared_cta(
+        dst.to_llvm_ptr(loc=loc, ip=ip), src.to_llvm_ptr(loc=loc, ip=ip),
+        cutlass.Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip,
+    )
 
 
 @cute.jit
@@ -482,6 +532,17 @@ class RowState:
     row_max: Any
     row_sum: Any
     shift: Any
+
+
+@dataclasses.dataclass
+class StagedRows:
+    """Final output rows staged in shared memory (``staged_rows_layout``) for bulk copies; ``written``:
+    the named barrier of the two consumer warpgroups after both wrote their halves; ``issuer``: the
+    warpgroup (0 or 1) whose thread 0 issues the copies."""
+
+    rows: Any
+    written: Any
+    issuer: int
 
 
 @dataclasses.dataclass

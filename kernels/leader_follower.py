@@ -44,6 +44,7 @@ class LeaderBarrier(enum.IntEnum):
     P_READY = 1
     P_FREE = 2
     ROW_SUM = 3
+    OUT_STAGED = 4
 
 
 class LeaderFollowerConsumer(SplitKVConsumer):

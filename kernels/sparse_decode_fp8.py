@@ -5,8 +5,8 @@ one (SM part, query token s, 64-head tile); its part of the batch comes from the
 scheduler record over the requests' ``topk_length`` (64-token blocks), as in dense decode.
 
 Warpgroup roles (384 threads):
-  WG0      producer (all 128 threads).  Warp 0 also issues the Q tile's TMA copy
-           (64 heads x 576 of token s, once per request).  Per 64-token tile each thread
+  WG0      producer (all 128 threads).  With the serial consumers warp 0 also issues the Q
+           tile's TMA copy (64 heads x 576 of token s, once per request).  Per 64-token tile each thread
            gathers 4 token rows (2 with the crossover): thread t reads 16-byte piece ``t % 8`` of each
            128-byte segment of its rows (coalesced 128-byte reads, 6 per row: 4 latent, the
            scales, 1 RoPE), rows ``16 k + t / 8`` (with the bulk hand-over ``32 rank + 8 (t / 32)
@@ -18,11 +18,14 @@ Warpgroup roles (384 threads):
            before converting the first (4, or 2 with the crossover: 1.06-1.08x over 2 at a time
            for the whole-tile gather); with the serial ones, 2 at a time (4 do not fit their
            producer's 120 registers; one at a time was slower).  The next tile's indices are
-           loaded while this tile is gathered.
+           loaded while this tile is gathered, in the order of the part's tiles across its
+           requests, so a request's first tile finds its indices loaded and its rows in L2.
   WG1, WG2 consumers, QK^T, softmax with the bias mask, PV, epilogue with the attention sink,
            split one of two ways (``schedule.leader_follower``):
            leader-follower (default, ``leader_follower.py``): WG1 computes S over the whole tile,
-             the softmax and O_L, and hands P to WG2, which computes O_R;
+             the softmax and O_L, and hands P to WG2, which computes O_R.  WG2's first warp also
+             loads Q: the first request's at the start, each next one's once Q's bytes are free
+             (after the leader's last S, or after the staged output rows were copied out);
            serial (``consumer.py``): each computes S over 32 tokens, they meet at the row max and
              at P, then each computes its half of O.
   Registers (setmaxnreg, within 168 x 384): leader-follower 144 / 200 / 160 (the leader holds
@@ -30,14 +33,15 @@ Warpgroup roles (384 threads):
   crossover's bulk hand-over).
 
 Shared-memory plan (bytes):
-  sQ     64 x 576 bf16                    73 728
+  sQ     64 x 576 bf16                    73 728  (leader-follower: after a request's last S, its
+                                                   final rows, 64 x 520 bf16, for bulk copies)
   sKV    kv_stages x 64 x 576 bf16        73 728 each (V is the first 512 columns of K)
   sP     64 x 64 bf16                      8 192
   sMax, sSum  [2][64] fp32                 1 024  (leader-follower: sMax holds the leader's
                                                    factor and running max per row)
   sBias  kv_stages x 64 fp32 (0 or -inf)     256 each
-  mbarriers: Q full/empty (TMA), KV full (128 producer arrivals) / empty (256 consumer
-  arrivals) per stage.
+  mbarriers: Q full (TMA) / empty (serial consumers only), KV full (128 producer arrivals) /
+  empty (256 consumer arrivals) per stage.
 
 Crossover (``schedule.crossover``, the 64-head tiles of a token in pairs: h_q = 128, 256):
 a 2-CTA cluster along the grid's y.  Each CTA gathers rows ``32 rank .. 32 rank + 31`` of
@@ -52,7 +56,7 @@ swizzle atom); the RoPE block and the rows' bias go last; or st.async stores of 
 the barrier setup and before exit (the consumers arrive before their last epilogue).
 
 Named barriers (consumers only; the producer syncs on mbarriers): ``leader_follower.LeaderBarrier``
-or ``consumer.BarrierId``.
+(``OUT_STAGED``: both halves of the final rows are in sQ) or ``consumer.BarrierId``.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ from .consumer import (
     HALF_N,
     OutputTile,
     SplitOutputs,
+    StagedRows,
     WorkSlice,
     load_splits,
     make_consumer_mmas,
@@ -84,9 +89,10 @@ from .consumer import (
     make_smem_layouts,
     operand_tiles,
     row_exchange,
+    staged_rows_layout,
 )
 from .layouts import lse_rows, out_rows
-from .leader_follower import LeaderFollowerConsumer
+from .leader_follower import LeaderBarrier, LeaderFollowerConsumer
 from .seesaw import make_seesaw_mmas
 
 SUB_COLS = 64  # features per swizzle-atom column block of a K tile
@@ -266,11 +272,19 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
 
         topk = mIndices.shape[2]
 
+        q_load = QLoad.make(tma_atom_q, tma_q, sQ, q_pipe, head_tile, s_idx)
         if cutlass.const_expr(self.leader_follower):
             # Made once, outside the role branches: both consumers' views use them.  Each role gets
             # its own record of the outputs: a branch may rebind the fields of what it is passed.
             lf_mmas = make_seesaw_mmas(self.dtype)
             outs_lead, outs_follow = dataclasses.replace(outs), dataclasses.replace(outs)
+            # Final rows leave through Q's bytes: Q is dead after a request's last S.  The follower
+            # copies them out and then loads the next request's Q (it has registers to spare).
+            staged = StagedRows(
+                rows=cute.make_tensor(storage.sQ.data_ptr(), staged_rows_layout()),
+                written=pipeline.NamedBarrier(barrier_id=int(LeaderBarrier.OUT_STAGED), num_threads=256),
+                issuer=1,
+            )
         # The scheduler record is read after the register split, so neither role carries it
         # across the reallocation (it spilled otherwise).
         if wg_idx == 0:
@@ -278,7 +292,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             work = WorkSlice.of(mSched, part)
             stores = StageStores(sK_layout, storage.sK.data_ptr(), storage.bias.data_ptr(), rank)
             self.produce(
-                tma_atom_q, tma_q, sQ, sBias, q_pipe, kv_pipe,
+                q_load, sBias, q_pipe, kv_pipe,
                 mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, stores,
             )
         else:
@@ -288,14 +302,14 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                     set_registers(self.regs[1], self.launch_regs)
                     work = WorkSlice.of(mSched, part)
                     view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 0, tidx % 128)
-                    self.lead(view, sScale, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs_lead, scale_log2,
-                              s_idx, head_tile, work, rank)
+                    self.lead(view, sScale, sSum, sBias, q_load.full, staged, kv_pipe, mTopkLen, topk, outs_lead,
+                              scale_log2, s_idx, head_tile, work, rank)
                 else:
                     set_registers(self.regs[2], self.launch_regs)
                     work = WorkSlice.of(mSched, part)
                     view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 1, tidx % 128)
-                    self.follow(view, sScale, sSum, q_pipe, kv_pipe, mTopkLen, topk, outs_follow, scale_log2,
-                                s_idx, head_tile, work, rank)
+                    self.follow(view, sScale, sSum, q_load, staged, kv_pipe, mTopkLen, topk, outs_follow,
+                                scale_log2, s_idx, head_tile, work, rank)
             else:
                 # Each warpgroup sets its own budget, so the three budgets are three instructions.
                 if wg_idx == 1:
@@ -320,14 +334,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     # -------------------------------------------------------------- gather producer
     @cute.jit
     def produce(
-        self, tma_atom_q, tma_q, sQ, sBias, q_pipe, kv_pipe,
+        self, q_load, sBias, q_pipe, kv_pipe,
         mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, stores,
     ):
-        # ((64, 576), head_tiles, 1, s_q, b)
-        gQ = cute.flat_divide(tma_q, (BLOCK_M, D_QK))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
         page = mCache.shape[1]
         num_rows = mCache.shape[0] * page
         lane = tidx % LANES_PER_ROW
@@ -360,13 +369,11 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         lens = lengths_ahead(mTopkLen, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             first, last = next_request(lens, mTopkLen, work, req, topk)
-            if warp_idx == 0:
-                q_pipe.producer_acquire(q_state)
-                cute.copy(
-                    tma_atom_q, tQgQ[None, head_tile, 0, s_idx, req], tQsQ,
-                    tma_bar_ptr=q_pipe.producer_get_barrier(q_state),
-                )
-            q_state.advance()
+            if cutlass.const_expr(not self.leader_follower):  # leader-follower: the follower loads Q
+                if warp_idx == 0:
+                    q_pipe.producer_acquire(q_state)
+                    q_load.copy(req)
+                q_state.advance()
             for blk in cutlass.range(first, last, unroll=1):
                 cur_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
                 cur_idx.store(next_idx.load())
@@ -549,20 +556,24 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         self.exit_arrive_if_idle(work)
 
     @cute.jit
-    def lead(self, v, sScale, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile,
-             work, rank):
-        """The leader (``leader_follower.py``): S, softmax and O_L of every tile, P for the follower."""
-        rows, q_state, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
+    def lead(self, v, sScale, sSum, sBias, q_full, staged, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx,
+             head_tile, work, rank):
+        """The leader (``leader_follower.py``): S, softmax and O_L of every tile, P for the follower; the
+        only reader of Q, which arrives on ``q_full`` once a request (``follow`` loads it)."""
+        rows, _, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
         bars = self.lf_barriers()
         # The follower frees sP after every tile but this CTA's last: wait from the second tile on.
         seen = cute.make_rmem_tensor((1,), cutlass.Int32)
         seen[0] = 0
+        q_phase = cute.make_rmem_tensor((1,), cutlass.Int32)
+        q_phase[0] = 0
         lens = lengths_ahead(mTopkLen, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             first, last = next_request(lens, mTopkLen, work, req, topk)
             splits = load_splits(outs, req)
             self.start_rows(v, rows)
-            q_pipe.consumer_wait(q_state)
+            cute.arch.mbarrier_wait(q_full, q_phase[0])
+            q_phase[0] = q_phase[0] ^ 1
             for blk in cutlass.range(first, last, unroll=1):
                 self.wait_stage(kv_pipe, kv_state)
                 self.leader_qk(v, kv_state.index)
@@ -577,27 +588,27 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 warpgroup.wait_group(0)
                 self.release_stage(kv_pipe, kv_state, rank)
                 kv_state.advance()
-            q_pipe.consumer_release(q_state)
-            q_state.advance()
             self.exit_arrive_after(req, work)
-            self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, splits=splits)
+            self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, splits=splits,
+                          staged=staged)
         self.exit_arrive_if_idle(work)
 
     @cute.jit
-    def follow(self, v, sScale, sSum, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile,
-               work, rank):
-        """The follower: O_R of every tile from the leader's P."""
-        rows, q_state, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
+    def follow(self, v, sScale, sSum, q_load, staged, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx,
+               head_tile, work, rank):
+        """The follower: O_R of every tile from the leader's P.  Its first warp also loads the leader's Q:
+        the first request's at the start, each next one's once the epilogue's copies have read the staged
+        rows out of Q's bytes (the leader's last S of a request precedes the P the follower waits for)."""
+        rows, _, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
+        if v.tid < 32:
+            if work.begin_req <= work.end_req:
+                q_load.copy(work.begin_req, self.q_bytes)
         bars = self.lf_barriers()
         lens = lengths_ahead(mTopkLen, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             first, last = next_request(lens, mTopkLen, work, req, topk)
             splits = load_splits(outs, req)
             self.start_rows(v, rows)
-            # The follower does not read Q, but the Q barrier counts all 8 consumer warps.
-            q_pipe.consumer_wait(q_state)
-            q_pipe.consumer_release(q_state)
-            q_state.advance()
             for blk in cutlass.range(first, last, unroll=1):
                 bars.p_ready.arrive_and_wait()
                 self.wait_stage(kv_pipe, kv_state)  # already full: the leader read this stage
@@ -607,7 +618,19 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 if blk + 1 < last:
                     bars.p_free.arrive()
             self.exit_arrive_after(req, work)
-            self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, splits=splits)
+            # The next Q goes into Q's bytes once nothing reads them: here (the leader's last S came
+            # before the P this warpgroup waited for) when the rows leave from registers (a split's
+            # partials); after the copies of the staged rows otherwise.
+            n_splits = splits[1] - splits[0]
+            if v.tid < 32:
+                if (req < work.end_req) & (n_splits != 1):
+                    q_load.copy(req + 1, self.q_bytes)
+            self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, splits=splits,
+                          staged=staged)
+            if v.tid < 32:  # after its lane 0 waited for the copies' reads
+                if (req < work.end_req) & (n_splits == 1):
+                    cute.arch.sync_warp()
+                    q_load.copy(req + 1, self.q_bytes)
             # A request's last P_FREE waits for the epilogue: the leader's next sums go into sSum.
             if (req != work.end_req) & (last > first):
                 bars.p_free.arrive()
@@ -655,6 +678,37 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         kv_pipe.consumer_release(kv_state)
         if cutlass.const_expr(self.crossover):
             cute.arch.mbarrier_arrive(kv_pipe.consumer_get_barrier(kv_state), 1 - rank)
+
+
+@dataclasses.dataclass
+class QLoad:
+    """The TMA load of a request's Q tile (64 heads x 576 of token ``s_idx``), completing on ``full``."""
+
+    atom: Any
+    tQgQ: Any  # ((64, 576) partitioned, head_tiles, 1, s_q, b)
+    tQsQ: Any
+    full: Any
+    head_tile: Any
+    s_idx: Any
+
+    @staticmethod
+    def make(tma_atom_q, tma_q, sQ, q_pipe, head_tile, s_idx) -> "QLoad":
+        gQ = cute.flat_divide(tma_q, (BLOCK_M, D_QK))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        full = q_pipe.producer_get_barrier(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
+        return QLoad(tma_atom_q, tQgQ, tQsQ, full, head_tile, s_idx)
+
+    @cute.jit
+    def copy(self, req, expect_bytes: cutlass.Constexpr = 0):
+        """Request ``req``'s Q.  Called by a whole warp: the TMA copy elects one lane of a converged warp.
+        After the Q pipeline's ``producer_acquire``, which expects the bytes itself, ``expect_bytes`` is
+        0; otherwise lane 0 arrives expecting them."""
+        if cutlass.const_expr(expect_bytes > 0):
+            if cute.arch.lane_idx() == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(self.full, expect_bytes)
+        cute.copy(self.atom, self.tQgQ[None, self.head_tile, 0, self.s_idx, req], self.tQsQ, tma_bar_ptr=self.full)
 
 
 @dataclasses.dataclass

@@ -115,6 +115,10 @@ def test_sparse_decode_gathers_with_vector_loads_without_spills(s_q, h_q, sink, 
     assert ptx.count("ld.global.v4.b32") >= 24
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
+    # Leader-follower: final rows leave through shared memory by bulk copies, waited for before the
+    # next Q overwrites them; the serial consumers store them from registers.
+    staged = "cp.async.bulk.global.shared::cta" in ptx and "cp.async.bulk.wait_group.read" in ptx
+    assert staged == leader_follower
     err = capfd.readouterr().err
     assert "C7514" not in err and "C7517" not in err, "ptxas serialized WGMMA: " + err[:2000]
     spills, regs = _ptxas_report(err)
