@@ -818,11 +818,12 @@ class TileCursor:
     request's end tile, its length clamped to topk; 0 past the part's last tile)."""
 
     pos: Any
-    lens: Any
+    lens: Any  # the lengths a request ahead (``lengths_ahead``), the cursor's own
 
     @staticmethod
     @cute.jit
     def start(work, mTopkLen, topk) -> "TileCursor":
+        """At the part's first tile (for an idle part: past its last, length 0)."""
         pos = cute.make_rmem_tensor((4,), cutlass.Int32)
         lens = lengths_ahead(mTopkLen, work)
         first, last = next_request(lens, mTopkLen, work, work.begin_req, topk)
