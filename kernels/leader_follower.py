@@ -15,7 +15,8 @@ twice, and the follower waits for nothing but P.
 
 Named barriers (``LeaderBarrier``): P_READY (leader -> follower: sP and sScale of this tile
 written), P_FREE (follower -> leader: done with sP and sScale; after the follower's epilogue of
-a request, done with sSum too), ROW_SUM (the shared epilogue's sums).  The follower arrives on
+a request, done with sSum too), ROW_SUM (the shared epilogue's sums), OUT_STAGED (both halves of a
+request's final rows are in the staging bytes, ``consumer.StagedRows``).  The follower arrives on
 P_FREE after every tile but a request's last, and after each request's epilogue but the last;
 the leader waits on it before every tile's publication but its first.
 
