@@ -50,6 +50,7 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
@@ -62,14 +63,17 @@ from .consumer import (
     D_QK,
     OutputTile,
     SplitOutputs,
+    StagedRows,
     WorkSlice,
+    load_splits,
     make_smem_layouts,
     operand_tiles,
     row_exchange,
+    staged_rows_layout,
 )
 from .dense_decode import feature_major, set_dense_facts
 from .layouts import lse_rows, out_rows
-from .seesaw import NUM_SUB, SUB, SeesawBarriers, SeesawConsumer, make_seesaw_mmas
+from .seesaw import NUM_SUB, SUB, SeesawBarrier, SeesawBarriers, SeesawConsumer, make_seesaw_mmas
 
 # L2 cache-policy operand of a TMA load marking the lines evict-first (each tile is read once).
 L2_EVICT_FIRST = 0x12F0000000000000
@@ -212,13 +216,20 @@ class DenseSeesawKernel(SeesawConsumer):
         loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar,
                                  mBlockTable, m_tile, kv_head)
         outs = SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum)
+        # Final rows leave through Q's bytes (dead after the request's last pair; the next Q is loaded
+        # by warp 0, whose thread 0 issues the copies and waits for their reads first).
+        staged = StagedRows(
+            rows=cute.make_tensor(storage.sQ.data_ptr(), staged_rows_layout()),
+            written=pipeline.NamedBarrier(barrier_id=int(SeesawBarrier.OUT_STAGED), num_threads=256),
+            issuer=0,
+        )
         view = self.seesaw_view(make_seesaw_mmas(self.dtype), sQ, sK, sV, sP0, kv_bar, wg, tidx % 128)
-        self.serve(view, sMax, sScale, sSum, loader, mSeqlens, WorkSlice.of(mSched, part), outs, scale_log2,
-                   m_tile, kv_head, tidx, wg)
+        self.serve(view, sMax, sScale, sSum, loader, mSeqlens, WorkSlice.of(mSched, part), outs, staged,
+                   scale_log2, m_tile, kv_head, tidx, wg)
 
     # ------------------------------------------------------------- request loop
     @cute.jit
-    def serve(self, v, sM, sScale, sSum, loader, mSeqlens, work, outs, scale_log2, m_tile, kv_head, tidx,
+    def serve(self, v, sM, sScale, sSum, loader, mSeqlens, work, outs, staged, scale_log2, m_tile, kv_head, tidx,
               wg: cutlass.Constexpr):
         rows = self.row_state(m_tile, v.tid)
         bars = SeesawBarriers.make()
@@ -230,8 +241,14 @@ class DenseSeesawKernel(SeesawConsumer):
         if cutlass.const_expr(self.causal):
             last_row = cutlass.min(m_tile * BLOCK_M + BLOCK_M - 1, self.rows - 1)
             common_shift = self.s_q - 1 - last_row // self.group
+        lens = cute.make_rmem_tensor((2,), cutlass.Int32)  # this request's length, the next one's
+        lens[1] = mSeqlens[cutlass.max(cutlass.min(work.begin_req, work.end_req), 0)]
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            seqlen = mSeqlens[req]
+            # The next request's length and this one's split counts load now, under its tiles.
+            lens[0] = lens[1]
+            lens[1] = mSeqlens[cutlass.max(cutlass.min(req + 1, work.end_req), 0)]
+            splits = load_splits(outs, req)
+            seqlen = lens[0]
             first, last = work.blocks(req, seqlen)
             if cutlass.const_expr(self.causal):
                 last = cutlass.min(last, (seqlen - common_shift + BLOCK_N - 1) // BLOCK_N)
@@ -254,7 +271,8 @@ class DenseSeesawKernel(SeesawConsumer):
                 self.wg1_request(v, rows, sM, sScale, bars, loader, req, first, last, seqlen, scale_log2)
             max2 = self.final_max(rows, sM)
             tile = OutputTile(kv_head, m_tile * BLOCK_M, self.rows - m_tile * BLOCK_M)
-            self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, max2=max2)
+            self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, max2=max2, splits=splits,
+                          staged=staged)
 
     @cute.jit
     def start_request(self, v, rows, sM, sScale, loader, q_phase, tidx):

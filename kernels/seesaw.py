@@ -57,6 +57,7 @@ class SeesawBarrier(enum.IntEnum):
     P1_ISSUED = 4
     ROW_SUM = 5
     MAX_INIT = 6
+    OUT_STAGED = 7
 
 
 class SeesawConsumer(SplitKVConsumer):
