@@ -451,6 +451,12 @@ class WorkSlice:
         return WorkSlice(mSched[part, 0], mSched[part, 1], mSched[part, 2], mSched[part, 3], mSched[part, 4])
 
     @cute.jit
+    def clamp(self, req):
+        """``req`` clamped to the part's requests: loads ahead of the last one (or of an idle part) stay in
+        bounds without a branch."""
+        return cutlass.max(cutlass.min(req, self.end_req), 0)
+
+    @cute.jit
     def blocks(self, req, seqlen):
         """KV tiles [first, last) of request ``req`` that this CTA serves."""
         first = cutlass.Int32(0)
@@ -460,6 +466,23 @@ class WorkSlice:
         if req == self.end_req:
             last = self.end_block
         return first, last
+
+
+@cute.jit
+def lengths_ahead(mLens, work):
+    """Registers for ``advance_lengths``: [0] the current request's length, [1] the next one's, loaded a
+    request ahead so that a request boundary does not wait for a round trip to memory."""
+    lens = cute.make_rmem_tensor((2,), cutlass.Int32)
+    lens[1] = mLens[work.clamp(work.begin_req)]
+    return lens
+
+
+@cute.jit
+def advance_lengths(lens, mLens, work, req):
+    """Request ``req``'s length (loaded a request ago); starts loading request ``req + 1``'s."""
+    lens[0] = lens[1]
+    lens[1] = mLens[work.clamp(req + 1)]
+    return lens[0]
 
 
 @dataclasses.dataclass

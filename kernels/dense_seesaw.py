@@ -20,13 +20,15 @@ consumes sub-tile j as soon as it lands:
 
 Warpgroup roles (256 threads, one CTA per SM, no register reallocation):
   WG0  S of the even tiles, O_L.  Its warp 0 issues each request's Q copy and first tile pair,
-       and the refills of sub-tiles 0-3.
+       and the refills of sub-tiles 0-3; its thread 0 the bulk copies of a request's final rows.
   WG1  S of the odd tiles, O_R.  Its warp 0 issues the refills of sub-tiles 4-8.
 
 Shared-memory plan (16-bit q/cache; bytes):
   sQ      64 x 576                        73 728  (its last 64 x 64 sub-tile, the RoPE part of Q,
                                                    is held in registers once Q lands and the
-                                                   bytes serve as sP1)
+                                                   bytes serve as sP1; after a request's last
+                                                   pair its final rows are staged here, 64 rows
+                                                   of 520 elements, for the bulk copies out)
   sK      2 x 64 x 576                   147 456  (V is the first 512 columns of K)
   sP0     64 x 64                          8 192
   sM, sScale, sSum  3 x [64][2] fp32       1 536  (row max in log2 units in sM[:, 0]; the rescale
@@ -40,7 +42,7 @@ only in a request's last two tiles (the rows of an M tile end less than 64 keys 
 Named barriers (``seesaw.SeesawBarrier``): SCALE0 (WG0 -> WG1: m0 and sScale0 written), SCALE1
 (WG1 -> WG0: m1 and sScale1 written), P0_READY (WG0 -> WG1: sP0 written), P1_ISSUED
 (WG1 -> WG0: sP1 written, and P0 V0_R issued), ROW_SUM (both: the epilogue's sums), MAX_INIT
-(WG0 only: sM reset for a request).
+(WG0 only: sM reset for a request), OUT_STAGED (both: the final rows are in sQ's bytes).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ from .consumer import (
     SplitOutputs,
     StagedRows,
     WorkSlice,
+    advance_lengths,
+    lengths_ahead,
     load_splits,
     make_smem_layouts,
     operand_tiles,
@@ -241,14 +245,11 @@ class DenseSeesawKernel(SeesawConsumer):
         if cutlass.const_expr(self.causal):
             last_row = cutlass.min(m_tile * BLOCK_M + BLOCK_M - 1, self.rows - 1)
             common_shift = self.s_q - 1 - last_row // self.group
-        lens = cute.make_rmem_tensor((2,), cutlass.Int32)  # this request's length, the next one's
-        lens[1] = mSeqlens[cutlass.max(cutlass.min(work.begin_req, work.end_req), 0)]
+        lens = lengths_ahead(mSeqlens, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             # The next request's length and this one's split counts load now, under its tiles.
-            lens[0] = lens[1]
-            lens[1] = mSeqlens[cutlass.max(cutlass.min(req + 1, work.end_req), 0)]
+            seqlen = advance_lengths(lens, mSeqlens, work, req)
             splits = load_splits(outs, req)
-            seqlen = lens[0]
             first, last = work.blocks(req, seqlen)
             if cutlass.const_expr(self.causal):
                 last = cutlass.min(last, (seqlen - common_shift + BLOCK_N - 1) // BLOCK_N)

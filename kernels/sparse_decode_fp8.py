@@ -83,6 +83,8 @@ from .consumer import (
     SplitOutputs,
     StagedRows,
     WorkSlice,
+    advance_lengths,
+    lengths_ahead,
     load_splits,
     make_consumer_mmas,
     make_q_pipeline,
@@ -788,28 +790,12 @@ class StageStores:
 
 
 @cute.jit
-def lengths_ahead(mTopkLen, work):
-    """Registers for ``next_request``: [0] the current request's topk length, [1] the next one's, loaded a
-    request ahead so that a request boundary does not wait for a round trip to memory."""
-    lens = cute.make_rmem_tensor((2,), cutlass.Int32)
-    lens[1] = mTopkLen[part_request(work, work.begin_req)]
-    return lens
-
-
-@cute.jit
 def next_request(lens, mTopkLen, work, req, topk):
     """Tiles [first, last) of request ``req`` (at least one, so a request with nothing to attend still
-    writes its rows), from the length loaded a request ago; starts loading request ``req + 1``'s."""
-    lens[0] = lens[1]
-    lens[1] = mTopkLen[part_request(work, req + 1)]
-    return work.blocks(req, cutlass.max(cutlass.min(lens[0], topk), 1))
-
-
-@cute.jit
-def part_request(work, req):
-    """``req`` clamped to the part's requests: loads ahead of the last one (or of an idle part) stay in
-    bounds without a branch."""
-    return cutlass.max(cutlass.min(req, work.end_req), 0)
+    writes its rows), from the length loaded a request ago (``lengths_ahead``); starts loading request
+    ``req + 1``'s."""
+    length = advance_lengths(lens, mTopkLen, work, req)
+    return work.blocks(req, cutlass.max(cutlass.min(length, topk), 1))
 
 
 @dataclasses.dataclass
