@@ -125,7 +125,7 @@ def compile_scheduler(fixed_cost: int, options: str = ""):
     return cached_compile(key, build, describe=f"scheduler fixed_cost={fixed_cost}", persistent=not options)
 
 
-def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool):
+def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length: bool):
     """Fake tensors matching ``SparseDecodeFp8Kernel.__call__`` (and the sparse step)."""
     from .sparse_decode_fp8 import ROW_BYTES
 
@@ -136,16 +136,19 @@ def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool):
     cache = make_fake_tensor(cutlass.Int32, (nb, page, ROW_BYTES // 4), (_sym(4, 64), ROW_BYTES // 4, 1),
                              assumed_align=16)
     indices = make_fake_tensor(cutlass.Int32, (b, s_q, topk), (_sym(1, 64), _sym(1, 64), 1), assumed_align=4)
-    topk_len = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4)
+    topk_len = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4) if has_topk_length else None
     sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if has_sink else None
     return (q, cache, indices, topk_len, *_split_io(bf16, b, s_q, h_q, 1), sink, *_scale_and_stream())
 
 
 def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options: str = "", *,
-                          with_combine: bool = False):
-    """The compiled sparse FP8 decode split kernel (``with_combine``: split + combine behind one entry)."""
+                          with_combine: bool = False, has_topk_length: bool = False):
+    """The compiled sparse FP8 decode split kernel (``with_combine``: split + combine behind one entry).
+    ``has_topk_length``: the calls pass ``topk_length``; without it the kernel takes None there and every
+    request attends to topk tokens, with no length to load."""
     schedule.validate()
-    key = ("sparse_decode_fp8", s_q, h_q, bool(has_sink), schedule.kernel_key(), options, with_combine)
+    key = ("sparse_decode_fp8", s_q, h_q, bool(has_sink), schedule.kernel_key(), options, with_combine,
+           bool(has_topk_length))
 
     def build():
         from .sparse_decode_fp8 import SparseDecodeFp8Kernel
@@ -157,10 +160,12 @@ def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options:
 
             kernel = SparseDecodeStep(
                 kernel, CombineKernel(cutlass.BFloat16, h_q, s_q, has_sink, schedule.combine_chunked_batch))
-        return cute.compile(kernel, *sparse_decode_signature(s_q, h_q, has_sink), options=compile_options(options))
+        return cute.compile(kernel, *sparse_decode_signature(s_q, h_q, has_sink, has_topk_length),
+                            options=compile_options(options))
 
     what = (("sparse decode step " if with_combine else "sparse decode split kernel ")
-            + f"s_q={s_q} h_q={h_q} sink={bool(has_sink)} kv_stages={schedule.kv_stages} "
+            + f"s_q={s_q} h_q={h_q} sink={bool(has_sink)} topk_length={bool(has_topk_length)} "
+            + f"kv_stages={schedule.kv_stages} "
             + f"crossover={schedule.crossover} peer_bulk_copy={schedule.peer_bulk_copy} "
             + f"leader_follower={schedule.leader_follower}")
     return cached_compile(key, build, describe=what, persistent=not options)

@@ -168,7 +168,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         mQ: cute.Tensor,  # [b, s_q, h_q, 576] bf16
         mCache: cute.Tensor,  # [num_blocks, page, 164] int32 (656-byte rows)
         mIndices: cute.Tensor,  # [b, s_q, topk] int32
-        mTopkLen: cute.Tensor,  # [b] int32
+        mTopkLen: cute.Tensor,  # [b] int32, or None: every request attends to topk tokens
         mSched: cute.Tensor,  # [num_parts, 8] int32
         mNumSplits: cute.Tensor,  # [b + 1] int32
         mOut: cute.Tensor,  # [b, s_q, h_q, 512] bf16
@@ -368,7 +368,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         if cutlass.const_expr(self.crossover):
             ahead.advance(work, mTopkLen, topk)
             self.load_indices(ahead_idx, mIndices, ahead, s_idx, row0)
-        lens = lengths_ahead(mTopkLen, work)
+        lens = topk_lengths_ahead(mTopkLen, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             first, last = next_request(lens, mTopkLen, work, req, topk)
             if cutlass.const_expr(not self.leader_follower):  # leader-follower: the follower loads Q
@@ -537,7 +537,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 rank):
         rows, q_state, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
         bars = self.consumer_barriers()
-        lens = lengths_ahead(mTopkLen, work)
+        lens = topk_lengths_ahead(mTopkLen, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             first, last = next_request(lens, mTopkLen, work, req, topk)
             splits = load_splits(outs, req)
@@ -569,7 +569,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         seen[0] = 0
         q_phase = cute.make_rmem_tensor((1,), cutlass.Int32)
         q_phase[0] = 0
-        lens = lengths_ahead(mTopkLen, work)
+        lens = topk_lengths_ahead(mTopkLen, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             first, last = next_request(lens, mTopkLen, work, req, topk)
             splits = load_splits(outs, req)
@@ -606,7 +606,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             if work.begin_req <= work.end_req:
                 q_load.copy(work.begin_req, self.q_bytes)
         bars = self.lf_barriers()
-        lens = lengths_ahead(mTopkLen, work)
+        lens = topk_lengths_ahead(mTopkLen, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             first, last = next_request(lens, mTopkLen, work, req, topk)
             splits = load_splits(outs, req)
@@ -790,11 +790,24 @@ class StageStores:
 
 
 @cute.jit
+def topk_lengths_ahead(mTopkLen, work):
+    """``lengths_ahead`` over ``topk_length``; without one (None) every length is topk, known without a
+    load: the registers are only written by ``next_request``."""
+    if cutlass.const_expr(mTopkLen is None):
+        return cute.make_rmem_tensor((2,), cutlass.Int32)
+    return lengths_ahead(mTopkLen, work)
+
+
+@cute.jit
 def next_request(lens, mTopkLen, work, req, topk):
     """Tiles [first, last) of request ``req`` (at least one, so a request with nothing to attend still
-    writes its rows), from the length loaded a request ago (``lengths_ahead``); starts loading request
-    ``req + 1``'s."""
-    length = advance_lengths(lens, mTopkLen, work, req)
+    writes its rows), from the length loaded a request ago (``topk_lengths_ahead``); starts loading
+    request ``req + 1``'s.  Leaves the length in ``lens[0]``."""
+    length = topk
+    if cutlass.const_expr(mTopkLen is None):
+        lens[0] = topk
+    else:
+        length = advance_lengths(lens, mTopkLen, work, req)
     return work.blocks(req, cutlass.max(cutlass.min(length, topk), 1))
 
 
@@ -804,14 +817,14 @@ class TileCursor:
     request's end tile, its length clamped to topk; 0 past the part's last tile)."""
 
     pos: Any
-    lens: Any  # the lengths a request ahead (``lengths_ahead``), the cursor's own
+    lens: Any  # the lengths a request ahead (``topk_lengths_ahead``), the cursor's own
 
     @staticmethod
     @cute.jit
     def start(work, mTopkLen, topk) -> "TileCursor":
         """At the part's first tile (for an idle part: past its last, length 0)."""
         pos = cute.make_rmem_tensor((4,), cutlass.Int32)
-        lens = lengths_ahead(mTopkLen, work)
+        lens = topk_lengths_ahead(mTopkLen, work)
         first, last = next_request(lens, mTopkLen, work, work.begin_req, topk)
         pos[0] = work.begin_req
         pos[1] = first

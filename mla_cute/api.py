@@ -425,7 +425,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     Dense decode: a dict with ``dtype`` (torch.bfloat16 / torch.float16), ``s_q``, ``h_q``,
     ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64) and ``schedule``.
     Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
-    ``attn_sink`` (False: whether calls pass one) and ``schedule``.
+    ``attn_sink`` and ``topk_length`` (False: whether calls pass one) and ``schedule``.
     ``schedule`` (keyword) is the default for configurations of its kind.  Needs no GPU (set
     ``CUTE_DSL_ARCH=sm_90a`` before importing cutlass on a machine without one).  Returns the
     number of configurations prepared; each cold compile logs a line with its configuration.
@@ -435,7 +435,8 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         cfg = dict(cfg)
         sparse = bool(cfg.pop("sparse", False))
         required = {"s_q", "h_q"} if sparse else {"dtype", "s_q", "h_q", "h_kv"}
-        allowed = required | ({"attn_sink", "schedule"} if sparse else {"causal", "page_block_size", "schedule"})
+        allowed = required | ({"attn_sink", "topk_length", "schedule"} if sparse
+                              else {"causal", "page_block_size", "schedule"})
         missing = required - cfg.keys()
         if missing:
             raise ValueError(f"precompile config {i} lacks {sorted(missing)}: {cfg}")
@@ -449,7 +450,8 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         default = schedule if isinstance(schedule, kind) else None
         sched = _resolve_schedule(cfg.get("schedule", default), kind)
         if sparse:
-            cute.precompile_sparse(cfg["s_q"], cfg["h_q"], bool(cfg.get("attn_sink", False)), sched)
+            cute.precompile_sparse(cfg["s_q"], cfg["h_q"], bool(cfg.get("attn_sink", False)), sched,
+                                   bool(cfg.get("topk_length", False)))
             count += 1
             continue
         if cfg["dtype"] not in V.HALF_DTYPES:

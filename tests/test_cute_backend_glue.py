@@ -114,10 +114,11 @@ def test_unsupported_configurations_raise(page, fp8, match):
 def sparse_recorder(monkeypatch):
     import mla_cute.kernels.build as build
 
-    calls = {"compile": [], "steps": [], "scheduler": [], "combine": []}
+    calls = {"compile": [], "steps": [], "scheduler": [], "combine": [], "topk_length": []}
 
-    def compile_sparse_decode(s_q, h_q, has_sink, schedule, options="", *, with_combine=False):
+    def compile_sparse_decode(s_q, h_q, has_sink, schedule, options="", *, with_combine=False, has_topk_length=False):
         calls["compile"].append((s_q, h_q, has_sink, schedule))
+        calls["topk_length"].append(has_topk_length)
 
         def step(*args):
             calls["steps"].append(args)
@@ -159,6 +160,7 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     assert out.shape == (3, 2, 128, 512) and out.dtype == torch.bfloat16
     assert lse.shape == (3, 128, 2) and lse.dtype == torch.float32
     assert sparse_recorder["compile"] == [(2, 128, True, sched)]
+    assert sparse_recorder["topk_length"] == [True]  # the kernel that reads the lengths
     fixed, lengths, sched_shape, splits_shape = sparse_recorder["scheduler"][0]
     assert fixed == 2 and sched_shape == (7, 8) and splits_shape == (4,)
     assert lengths.tolist() == [1, 70, 128]  # clamped to [1, topk] for the planner
@@ -166,10 +168,13 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     assert cache.dtype == torch.int32 and cache.shape == (4, 64, 164)  # 656-byte rows as words
     assert tl is topk_length and sk is not None and math.isclose(scale, 0.25 * math.log2(math.e))
     assert o_acc.shape == (3 + 7, 1, 2 * 128, 512) and lse_acc.shape == (3 + 7, 1, 2 * 128)
-    # Without topk_length every request has topk tokens; attn_sink must then stay absent.
+    # Without topk_length every request has topk tokens: the kernel built for that takes None and loads
+    # no length; attn_sink must then stay absent.
     meta = get_mla_metadata()[0]
     cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True, sched)
-    assert sparse_recorder["steps"][1][3].tolist() == [128, 128, 128]
+    assert sparse_recorder["steps"][1][3] is None
+    assert not any(sparse_recorder["topk_length"][1:])
+    assert sparse_recorder["scheduler"][1][1].tolist() == [128, 128, 128]  # the planner's lengths
     with pytest.raises(ValueError, match="attn_sink"):
         cute.sparse_decode(q, k_cache, indices, None, sink, 0.25, meta, False, sched)
 
@@ -221,6 +226,9 @@ def test_precompile_loads_both_entries(recorder, sparse_recorder):
     assert recorder["compile"] == 2
     cute.precompile_sparse(2, 128, False, SparseDecodeSchedule())
     assert len(sparse_recorder["compile"]) == 2
+    # With topk_length the lengths live on the device, so every plan keeps the combine: one entry.
+    cute.precompile_sparse(2, 128, False, SparseDecodeSchedule(), True)
+    assert len(sparse_recorder["compile"]) == 3 and sparse_recorder["topk_length"] == [False, False, True]
 
 
 def test_sparse_cache_layout_the_kernel_cannot_read():
@@ -314,7 +322,9 @@ def test_precompile_sparse_configs(monkeypatch):
     monkeypatch.setattr(cute, "precompile_sparse", lambda *a: seen.append(a))
     x = SparseDecodeSchedule(crossover=True)
     assert mla_cute.precompile([dict(sparse=True, s_q=2, h_q=128, attn_sink=True)], schedule=x) == 1
-    assert seen == [(2, 128, True, x)]
+    assert seen == [(2, 128, True, x, False)]
+    assert mla_cute.precompile([dict(sparse=True, s_q=1, h_q=64, topk_length=True)], schedule=x) == 1
+    assert seen[-1] == (1, 64, False, x, True)
     with pytest.raises(ValueError, match="unknown keys"):
         mla_cute.precompile([dict(sparse=True, s_q=2, h_q=128, causal=True)])
     with pytest.raises(ValueError, match="h_q must be an int"):

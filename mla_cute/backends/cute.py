@@ -203,8 +203,7 @@ def check_sparse_supported(k_cache: torch.Tensor) -> None:
 class SparsePlan:
     """What a metadata object holds for the sparse cute kernel: compiled step, lengths, workspace."""
 
-    __slots__ = ("schedule", "step", "topk_len", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype",
-                 "facts")
+    __slots__ = ("schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype", "facts")
 
     def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta):
         from ..kernels.build import compile_sparse_decode
@@ -218,13 +217,14 @@ class SparsePlan:
         # request, the split kernel writes every output itself and the combine is left out.  The
         # step with the combine is loaded in any case, for a CUDA graph captured later, and a
         # capture keeps it (nothing can be loaded during one).
-        self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True)
+        # Without topk_length every request has topk tokens: the kernel is built for that and loads no
+        # length (the first call's choice holds for the metadata's later calls, as for attn_sink).
+        given = topk_length is not None
+        self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True, has_topk_length=given)
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if topk_length is None and not capturing and not _topk_plan_has_split(b, topk, parts, schedule.split_fixed_cost):
-            self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False)
-        # Without topk_length every request has topk tokens; the kernel reads this tensor then.
-        self.topk_len = None if topk_length is not None else torch.full((b,), topk, dtype=torch.int32, device=q.device)
-        lengths = (topk_length if topk_length is not None else self.topk_len).clamp(1, topk)
+        if not given and not capturing and not _topk_plan_has_split(b, topk, parts, schedule.split_fixed_cost):
+            self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False, has_topk_length=False)
+        lengths = (topk_length if given else torch.full((b,), topk, dtype=torch.int32, device=q.device)).clamp(1, topk)
         self.o_accum, self.lse_accum = _split_workspace(
             meta, lengths, parts, schedule.split_fixed_cost, b, 1, s_q * h_q, q.device
         )
@@ -259,7 +259,7 @@ def launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink,
         q if _aligned(q) else _packed_copy(q),
         k_cache.view(torch.int32).select(2, 0),  # the 656-byte rows as 164 int32 words (a view)
         indices if indices.stride(-1) == 1 else indices.contiguous(),
-        topk_length if topk_length is not None else plan.topk_len,
+        topk_length,
         meta.tile_scheduler_metadata, meta.num_splits, out, lse, plan.o_accum, plan.lse_accum,
         attn_sink.contiguous() if attn_sink is not None else None,
         softmax_scale * _LOG2_E,
@@ -295,10 +295,11 @@ def replay_sparse_plan(meta, q, k_cache, indices, topk_length, attn_sink, block_
     return plan
 
 
-def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule) -> None:
+def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_topk_length: bool = False) -> None:
     from ..kernels.build import compile_scheduler, compile_sparse_decode
 
     schedule.validate()
-    for with_combine in (True, False):  # a plan that splits no request leaves the combine out
-        compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=with_combine)
+    compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True, has_topk_length=has_topk_length)
+    if not has_topk_length:  # a plan that splits no request leaves the combine out (known only without lengths)
+        compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False)
     compile_scheduler(schedule.split_fixed_cost)
