@@ -155,3 +155,16 @@ def test_sparse_crossover_hands_the_peer_its_rows(leader_follower, bulk, capfd):
     spills, regs = _ptxas_report(err)
     assert spills and all(s == (0, 0, 0) for s in spills), f"stack frame / spills: {spills}"
     _check_register_split(ptx, regs)
+
+
+def test_sparse_decode_without_topk_length_loads_no_lengths():
+    """Without topk_length every request attends to topk tokens: the kernel built for such calls takes
+    None for the lengths, so the loads of a request's length (each role's, a request ahead) are gone."""
+    from mla_cute.kernels.build import compile_sparse_decode
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    loads = {}
+    for given in (True, False):
+        fn = compile_sparse_decode(2, 128, False, SparseDecodeSchedule(), options=OPTIONS, has_topk_length=given)
+        loads[given] = len(re.findall(r"\bld\.global\b", fn.__ptx__))
+    assert loads[False] < loads[True], loads
