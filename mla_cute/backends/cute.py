@@ -201,7 +201,7 @@ def check_sparse_supported(k_cache: torch.Tensor) -> None:
 
 
 class SparsePlan:
-    """What a metadata object holds for the sparse cute kernel: compiled step, lengths, workspace."""
+    """What a metadata object holds for the sparse cute kernel: the compiled step and the workspace."""
 
     __slots__ = ("schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype", "facts")
 
