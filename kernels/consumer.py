@@ -11,9 +11,10 @@ What differs between kernels is where the tiles come from (the producer) and whi
 are masked: a kernel passes a mask record (``LengthMask``, or the sparse kernel's bias
 mask) to ``online_softmax``.  The epilogue writes final rows (FlashMLA's layouts, through
 ``layouts.py``) or fp32 partials with a base-2 lse for the combine kernel, optionally
-scaled by an attention sink.  Final rows leave from registers, or (``StagedRows``, the sparse
-leader-follower kernel) through shared memory and one bulk copy per row: under a busy memory
-system 64 stores per thread took 4-8 us and held up the loads of the next request's tiles.
+scaled by an attention sink.  Final rows leave from registers, or (``StagedRows``: the sparse
+leader-follower and the dense seesaw kernels) through shared memory and one bulk copy per row:
+under a busy memory system 64 stores per thread took 4-8 us and held up the loads of the next
+request's tiles.
 """
 
 from __future__ import annotations

@@ -803,9 +803,9 @@ def next_request(lens, mTopkLen, work, req, topk):
     """Tiles [first, last) of request ``req`` (at least one, so a request with nothing to attend still
     writes its rows), from the length loaded a request ago (``topk_lengths_ahead``); starts loading
     request ``req + 1``'s.  Leaves the length in ``lens[0]``."""
-    length = topk
     if cutlass.const_expr(mTopkLen is None):
         lens[0] = topk
+        length = topk
     else:
         length = advance_lengths(lens, mTopkLen, work, req)
     return work.blocks(req, cutlass.max(cutlass.min(length, topk), 1))
