@@ -272,13 +272,13 @@ class SplitKVConsumer:
             sV_half[col, tok, stage] = self.dtype(0.0)
 
     @cute.jit
-    def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, tile, max2=None, splits=None, staged=None):
+    def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, tile, splits, max2=None, staged=None):
         """Normalise and write this request's rows of ``tile``: final output, or an fp32 partial.
 
         ``max2``: the rows' final max in log2 units, where the kernel keeps it (the seesaw
         kernel's shared row max); None: ``rows.row_max`` times ``scale_log2``.
         ``splits``: ``num_splits[req]`` and ``num_splits[req + 1]``, loaded when the request began
-        (``load_splits``), or None: loaded here.
+        (``load_splits``).
         ``staged``: a ``StagedRows``: final rows go through shared memory and bulk copies (thread 0 of
         warpgroup ``staged.issuer`` has issued them, and waited until they read shared memory, on
         return); None: stored from registers.  Partials (fp32, twice the bytes) always leave from
@@ -304,10 +304,7 @@ class SplitKVConsumer:
                     lse2[i] = max2[i] + cute.math.log2(total, fastmath=False)
         # Both warpgroups read sSum above; the next request's writes come after later barriers.
 
-        if cutlass.const_expr(splits is None):
-            n_splits = outs.num_splits[req + 1] - outs.num_splits[req]
-        else:
-            n_splits = splits[1] - splits[0]
+        n_splits = splits[1] - splits[0]
         col_base = wg * HALF_V
         if n_splits == 1:
             if cutlass.const_expr(outs.sink is not None):
@@ -329,10 +326,7 @@ class SplitKVConsumer:
                             lse = lse2[i] * LN_2
                         outs.lse[req, tile.kv_head, tile.row_base + r] = lse
         else:
-            if cutlass.const_expr(splits is None):
-                split = outs.num_splits[req]
-            else:
-                split = splits[0]
+            split = splits[0]
             if req == work.begin_req:
                 split = split + work.begin_split
             self.store_pairs(v, inv, outs.o_accum, split, tile, col_base, cutlass.Float32)

@@ -53,6 +53,7 @@ from .consumer import (
     SplitKVConsumer,
     SplitOutputs,
     WorkSlice,
+    load_splits,
     make_consumer_mmas,
     make_q_pipeline,
     make_smem_layouts,
@@ -293,6 +294,7 @@ class DenseDecodeKernel(SplitKVConsumer):
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             seqlen = mSeqlens[req]
+            splits = load_splits(outs, req)
             first, last = work.blocks(req, seqlen)
             self.start_rows(v, rows)
             q_pipe.consumer_wait(q_state)
@@ -330,7 +332,7 @@ class DenseDecodeKernel(SplitKVConsumer):
             q_pipe.consumer_release(q_state)
             q_state.advance()
             tile = OutputTile(kv_head, m_tile * BLOCK_M, self.rows - m_tile * BLOCK_M)
-            self.epilogue(v, rows, bars, sSum, outs, work, scale_log2, req, tile)
+            self.epilogue(v, rows, bars, sSum, outs, work, scale_log2, req, tile, splits)
 
     @cute.jit
     def finish_tile(self, v, rows, bars, sMax, seqlen, blk, stage, scale_log2):
