@@ -213,12 +213,11 @@ class SparsePlan:
         self.schedule, self.b, self.s_q, self.h_q, self.has_sink, self.dtype = schedule, b, s_q, h_q, has_sink, q.dtype
         self.facts = None
         parts = schedule.num_sm_parts or sparse_num_sm_parts_for(num_sms(q.device), s_q, h_q)
-        # Without topk_length the host knows every length, hence the plan: when it splits no
-        # request, the split kernel writes every output itself and the combine is left out.  The
-        # step with the combine is loaded in any case, for a CUDA graph captured later, and a
-        # capture keeps it (nothing can be loaded during one).
         # Without topk_length every request has topk tokens: the kernel is built for that and loads no
-        # length (the first call's choice holds for the metadata's later calls, as for attn_sink).
+        # length (the first call's choice holds for the metadata's later calls, as for attn_sink), and
+        # the host knows the plan: when it splits no request, the split kernel writes every output
+        # itself and the combine is left out.  The step with the combine is loaded in any case, for a
+        # CUDA graph captured later, and a capture keeps it (nothing can be loaded during one).
         given = topk_length is not None
         self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True, has_topk_length=given)
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
