@@ -11,8 +11,12 @@ split into O_L (columns 0-255, warpgroup 0) and O_R (256-511, warpgroup 1), and
   WG0: O_L = O_L * a + P1 V1_L (P1 from sP1)   WG1: O_R += P0 V0_R (P0 from sP0)
 
 so one warpgroup's softmax runs while the other's tensor cores work (the steps are in
-``seesaw.py``; this file orders them, loads the tiles and owns shared memory).  There is no producer
-warpgroup: the warpgroup that frees a part of a buffer issues the TMA copy that refills it.
+``seesaw.py``; this file orders them, loads the tiles and owns shared memory).  That is FlashMLA's
+order.  With one M tile a KV head (nothing shares the loads: the memory-bound rows) the kernel takes
+the cross term first (schedule field ``cross_term_first``): P0 leaves at m0, WG1 issues P0 V0_R before
+its softmax and P1 V1_R right behind it, and O_L / O_R move to m1 only where the max moved, so the
+right half of K0 refills a step earlier.  There is no producer warpgroup: the warpgroup that frees a
+part of a buffer issues the TMA copy that refills it.
 Each 64 x 576 tile arrives as nine 64 x 64 sub-tiles, each with its own mbarrier, and S = Q K^T
 consumes sub-tile j as soon as it lands:
   K0 sub-tiles 0-3 (V0_L) refill after WG0's P0 V0_L; 4-8 after WG1's P0 V0_R;
@@ -39,10 +43,11 @@ About 226 KiB of the 227 KiB a CTA may have (``DenseDecodeSchedule.smem_bytes``)
 Causal: the tiles no row of the M tile sees are skipped; the scores past a row's end are masked
 only in a request's last two tiles (the rows of an M tile end less than 64 keys apart).
 
-Named barriers (``seesaw.SeesawBarrier``): SCALE0 (WG0 -> WG1: m0 and sScale0 written), SCALE1
-(WG1 -> WG0: m1 and sScale1 written), P0_READY (WG0 -> WG1: sP0 written), P1_ISSUED
-(WG1 -> WG0: sP1 written, and P0 V0_R issued), ROW_SUM (both: the epilogue's sums), MAX_INIT
-(WG0 only: sM reset for a request), OUT_STAGED (both: the final rows are in sQ's bytes).
+Named barriers (``seesaw.SeesawBarrier``): SCALE0 (WG0 -> WG1: m0 and sScale0 written; cross term
+first: sP0 too), SCALE1 (WG1 -> WG0: m1 and sScale1 written; cross term first: sP1 too), P0_READY
+(WG0 -> WG1: sP0 written), P1_ISSUED (WG1 -> WG0: sP1 written, and P0 V0_R issued), P0_READ (cross
+term first, WG1 -> WG0: P0 V0_R has read sP0), ROW_SUM (both: the epilogue's sums), MAX_INIT (WG0
+only: sM reset for a request), OUT_STAGED (both: the final rows are in sQ's bytes).
 """
 
 from __future__ import annotations
@@ -72,12 +77,18 @@ from .consumer import (
     load_splits,
     make_smem_layouts,
     operand_tiles,
+    rescale_o,
     row_exchange,
     staged_rows_layout,
 )
 from .dense_decode import feature_major, set_dense_facts
 from .layouts import lse_rows, out_rows
 from .seesaw import NUM_SUB, SUB, SeesawBarrier, SeesawBarriers, SeesawConsumer, make_seesaw_mmas
+
+# A buffer's sub-tiles by the warpgroup whose P V frees them: V_L (0-3) warpgroup 0's; V_R and the RoPE
+# columns (4-8) warpgroup 1's.
+V_L_SUBS = (0, 1, 2, 3)
+V_R_SUBS = (4, 5, 6, 7, 8)
 
 # L2 cache-policy operand of a TMA load marking the lines evict-first (each tile is read once).
 L2_EVICT_FIRST = 0x12F0000000000000
@@ -96,6 +107,7 @@ class DenseSeesawKernel(SeesawConsumer):
             raise ValueError("DenseSeesawKernel needs a schedule with seesaw=True")
         set_dense_facts(self, dtype, rows, group, s_q, causal, page_size)
         self.kv_evict_first = schedule.kv_evict_first
+        self.cross_term_first = schedule.cross_term_first_for(self.m_tiles)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -257,11 +269,10 @@ class DenseSeesawKernel(SeesawConsumer):
             if tidx < 32:
                 self.load_q(loader, req)
                 if n >= 1:
-                    self.load_kv(loader, self.tile_location(loader, req, first), 0, 0, NUM_SUB)
+                    self.load_kv(loader, self.tile_location(loader, req, first), 0, V_L_SUBS + V_R_SUBS)
                 if n >= 2:
                     loc = self.tile_location(loader, req, first + 1)
-                    self.load_kv(loader, loc, 1, 4, NUM_SUB)
-                    self.load_kv(loader, loc, 1, 0, 4)
+                    self.load_kv(loader, loc, 1, V_R_SUBS + V_L_SUBS)
             self.start_request(v, rows, sM, sScale, loader, q_phase, tidx)
             # No dynamic branch may enclose the pair loops: a loop inside one would rebind the
             # records it carries in a region their later users cannot see.
@@ -291,37 +302,39 @@ class DenseSeesawKernel(SeesawConsumer):
     @cute.jit
     def wg0_request(self, v, rows, sM, sScale, bars, loader, req, first, last, seqlen, scale_log2):
         """Warpgroup 0's tiles of one request (none when last <= first)."""
+        pair = self.wg0_pair_cross_first if self.cross_term_first else self.wg0_pair
         n = last - first
         if n >= 1:
-            self.issue_qk(v, 0, tuple(range(NUM_SUB)))
+            self.issue_qk(v, 0, V_L_SUBS + V_R_SUBS)
             warpgroup.wait_group(0)
         pairs = cutlass.max(n - 1, 0) // 2
         for p in cutlass.range(pairs, unroll=1):
-            self.wg0_pair(v, rows, sM, sScale, bars, loader, req, first + 2 * p, last, seqlen, scale_log2, False, False)
+            pair(v, rows, sM, sScale, bars, loader, req, first + 2 * p, last, seqlen, scale_log2, False, False)
         blk = first + 2 * pairs
         if blk + 1 < last:
-            self.wg0_pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, False, True)
+            pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, False, True)
         elif blk < last:
-            self.wg0_pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, True, False)
+            pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, True, False)
 
     @cute.jit
     def wg1_request(self, v, rows, sM, sScale, bars, loader, req, first, last, seqlen, scale_log2):
         """Warpgroup 1's tiles of one request (none when last <= first)."""
+        pair = self.wg1_pair_cross_first if self.cross_term_first else self.wg1_pair
         n = last - first
         if n >= 2:
-            self.issue_qk(v, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))
+            self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
             warpgroup.wait_group(0)
         pairs = cutlass.max(n - 2, 0) // 2
         for p in cutlass.range(pairs, unroll=1):
-            self.wg1_pair(v, rows, sM, sScale, bars, loader, req, first + 2 * p, last, seqlen, scale_log2, False, False, False)
+            pair(v, rows, sM, sScale, bars, loader, req, first + 2 * p, last, seqlen, scale_log2, False, False, False)
         blk = first + 2 * pairs
         if blk + 2 < last:
-            self.wg1_pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, False, False, True)
-            self.wg1_pair(v, rows, sM, sScale, bars, loader, req, blk + 2, last, seqlen, scale_log2, True, False, False)
+            pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, False, False, True)
+            pair(v, rows, sM, sScale, bars, loader, req, blk + 2, last, seqlen, scale_log2, True, False, False)
         elif blk + 1 < last:
-            self.wg1_pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, False, True, False)
+            pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, False, True, False)
         elif blk < last:
-            self.wg1_pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, True, False, False)
+            pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, True, False, False)
 
     # ----------------------------------------------------------- one tile pair
     @cute.jit
@@ -341,7 +354,7 @@ class DenseSeesawKernel(SeesawConsumer):
         bars.scale1.arrive_and_wait()
         if cutlass.const_expr(not blk0_last and not blk1_last):
             if v.tid < 32:
-                self.load_kv(loader, loc2, 0, 0, 4)
+                self.load_kv(loader, loc2, 0, V_L_SUBS)
         # P0 to the final max of the pair, for warpgroup 1's P0 V0_R.
         scale1 = cute.make_rmem_tensor((2,), cutlass.Float32)
         for i in cutlass.range_constexpr(2):
@@ -364,11 +377,11 @@ class DenseSeesawKernel(SeesawConsumer):
             self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
         if cutlass.const_expr(not blk0_last and not blk1_last):
             # S of blk + 2: its first four sub-tiles were refilled first (above).
-            self.issue_qk(v, 0, (0, 1, 2, 3), flip=False)
-            warpgroup.wait_group(4)
+            self.issue_qk(v, 0, V_L_SUBS, flip=False)
+            warpgroup.wait_group(len(V_L_SUBS))
             if v.tid < 32 and blk + 3 < last:
-                self.load_kv(loader, loc3, 1, 0, 4)
-            self.issue_qk(v, 0, (4, 5, 6, 7, 8), accumulate=True)
+                self.load_kv(loader, loc3, 1, V_L_SUBS)
+            self.issue_qk(v, 0, V_R_SUBS, accumulate=True)
         warpgroup.wait_group(0)
 
     @cute.jit
@@ -398,13 +411,100 @@ class DenseSeesawKernel(SeesawConsumer):
         if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
             warpgroup.wait_group(1)
             if v.tid < 32:
-                self.load_kv(loader, loc3, 1, 4, NUM_SUB)
+                self.load_kv(loader, loc3, 1, V_R_SUBS)
         if cutlass.const_expr(not blk0_last and not blk1_last):
             warpgroup.wait_group(0)
             if v.tid < 32:
-                self.load_kv(loader, loc2, 0, 4, NUM_SUB)
+                self.load_kv(loader, loc2, 0, V_R_SUBS)
         if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
-            self.issue_qk(v, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))
+            self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
+        warpgroup.wait_group(0)
+
+    # ------------------------------------------- one tile pair, the cross term first
+    @cute.jit
+    def wg0_pair_cross_first(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
+                             blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr):
+        """``wg0_pair`` in the cross-term-first order: P0 leaves at m0, before P0 V0_L, and O_L moves to
+        m1 before P1 V1_L."""
+        if cutlass.const_expr(not blk0_last and not blk1_last):
+            loc2 = self.tile_location(loader, req, blk + 2)
+            loc3 = self.tile_location(loader, req, cutlass.min(blk + 3, last - 1))
+        self.softmax_wg0(v, rows, sM, sScale, seqlen, blk, scale_log2, blk0_last or blk1_last)
+        cute.autovec_copy(v.rPc, v.tPsP0)
+        if cutlass.const_expr(blk0_last):
+            self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
+        cute.arch.fence_view_async_shared()
+        bars.scale0.arrive()
+        self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 0)
+        warpgroup.wait_group(0)
+        if cutlass.const_expr(not blk0_last and not blk1_last):
+            if v.tid < 32:
+                self.load_kv(loader, loc2, 0, V_L_SUBS)
+
+        bars.scale1.arrive_and_wait()
+        if cutlass.const_expr(not blk0_last):
+            if cutlass.const_expr(blk1_last):
+                self.zero_tail_v(v, 1, seqlen - (blk + 1) * BLOCK_N)
+            scale1 = cute.make_rmem_tensor((2,), cutlass.Float32)
+            for i in cutlass.range_constexpr(2):
+                scale1[i] = sScale[rows.row0 + 8 * i, 1]
+                rows.row_sum[i] = rows.row_sum[i] * scale1[i]
+            rescale_o(v.acc_o, scale1)
+            self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
+        if cutlass.const_expr(not blk0_last and not blk1_last):
+            self.issue_qk(v, 0, V_L_SUBS, flip=False)
+            warpgroup.wait_group(len(V_L_SUBS))
+            if v.tid < 32 and blk + 3 < last:
+                self.load_kv(loader, loc3, 1, V_L_SUBS)
+            self.issue_qk(v, 0, V_R_SUBS, accumulate=True)
+        # Warpgroup 1's P0 V0_R has read sP0 before the next pair writes it.
+        bars.p0_read.arrive_and_wait()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def wg1_pair_cross_first(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
+                             blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr, blk2_last: cutlass.Constexpr):
+        """``wg1_pair`` in the cross-term-first order: O_R moves to m0 and P0 V0_R is issued before this
+        warpgroup's softmax; P1 V1_R queues behind it."""
+        if cutlass.const_expr(not blk0_last and not blk1_last):
+            loc2 = self.tile_location(loader, req, blk + 2)
+        if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
+            loc3 = self.tile_location(loader, req, blk + 3)
+        bars.scale0.arrive_and_wait()
+        scale0 = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for i in cutlass.range_constexpr(2):
+            scale0[i] = sScale[rows.row0 + 8 * i, 0]
+        rescale_o(v.acc_o, scale0)
+        if cutlass.const_expr(blk0_last):
+            self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
+        self.issue_pv(v, v.mmas.pv_ss, v.tOrP0, v.tOrV_ss, 0)
+        scale1 = self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, blk1_last or blk2_last, blk0_last,
+                                  rescale=False)
+        if cutlass.const_expr(not blk0_last):
+            cute.autovec_copy(v.rPc, v.tPsP1)
+            if cutlass.const_expr(blk1_last):
+                self.zero_tail_v(v, 1, seqlen - (blk + 1) * BLOCK_N)
+            cute.arch.fence_view_async_shared()
+            # Only a warp whose rows' max moved (rare past a request's first tiles) waits for P0 V0_R.
+            if cute.arch.vote_any_sync(cutlass.min(scale1[0], scale1[1]) != 1.0):
+                warpgroup.wait_group(0)
+                rescale_o(v.acc_o, scale1)
+            self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 1)
+        bars.scale1.arrive()
+
+        if cutlass.const_expr(not blk0_last):
+            warpgroup.wait_group(1)  # P0 V0_R: sP0 and K0's right half are free
+        else:
+            warpgroup.wait_group(0)
+        bars.p0_read.arrive()
+        if cutlass.const_expr(not blk0_last and not blk1_last):
+            if v.tid < 32:
+                self.load_kv(loader, loc2, 0, V_R_SUBS)
+        if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
+            warpgroup.wait_group(0)
+            if v.tid < 32:
+                self.load_kv(loader, loc3, 1, V_R_SUBS)
+            self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
         warpgroup.wait_group(0)
 
     # ------------------------------------------------------------- TMA loads
@@ -423,10 +523,10 @@ class DenseSeesawKernel(SeesawConsumer):
         return blk - page_idx * self.tiles_per_page, ld.block_table[req, page_idx]
 
     @cute.jit
-    def load_kv(self, ld, loc, buf: cutlass.Constexpr, lo: cutlass.Constexpr, hi: cutlass.Constexpr):
-        """Sub-tiles [lo, hi) of the tile at ``loc`` into buffer ``buf`` (by a whole warp)."""
+    def load_kv(self, ld, loc, buf: cutlass.Constexpr, subtiles: cutlass.Constexpr):
+        """``subtiles`` of the tile at ``loc`` into buffer ``buf`` (by a whole warp)."""
         tile_in_page, phys = loc
-        for j in cutlass.range_constexpr(lo, hi):
+        for j in subtiles:
             bar = ld.kv_bar + (buf * NUM_SUB + j)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, self.sub_bytes)

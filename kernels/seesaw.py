@@ -58,6 +58,7 @@ class SeesawBarrier(enum.IntEnum):
     ROW_SUM = 5
     MAX_INIT = 6
     OUT_STAGED = 7
+    P0_READ = 8  # the cross-term-first order's (instead of P0_READY and P1_ISSUED)
 
 
 class SeesawConsumer(SplitKVConsumer):
@@ -211,19 +212,22 @@ class SeesawConsumer(SplitKVConsumer):
         v.rPc.store(v.acc_s.load().to(self.dtype))
 
     @cute.jit
-    def softmax_wg1(self, v, rows, sM, sScale, seqlen, blk, scale_log2, masked: cutlass.Constexpr, empty: cutlass.Constexpr):
-        """S1 -> P1 against m1 = max(m0, rowmax S1); publishes m1 and 2^(m0 - m1); rescales O_R
-        from the previous pair's max to m1.  ``empty``: there is no tile blk (P1 = 0)."""
+    def softmax_wg1(self, v, rows, sM, sScale, seqlen, blk, scale_log2, masked: cutlass.Constexpr, empty: cutlass.Constexpr,
+                    rescale: cutlass.Constexpr = True):
+        """S1 -> P1 against m1 = max(m0, rowmax S1); publishes m1 and 2^(m0 - m1) and returns that factor.
+        ``rescale``: also rescales O_R from the previous pair's max to m1 (off when P0 V0_R is in flight
+        on O_R: the caller rescales).  ``empty``: there is no tile blk (P1 = 0)."""
         cur = cute.make_rmem_tensor((2,), cutlass.Float32)
         if cutlass.const_expr(empty):
             for i in cutlass.range_constexpr(2):
                 cur[i] = -cutlass.Float32.inf
         else:
             cur = self.row_maxima(v, rows, seqlen, blk, scale_log2, masked)
-        # O_R is still at the previous pair's max: m_prev -> m0 (warpgroup 0's factor) -> m1.
+        # O_R and the sums are still at the previous pair's max: m_prev -> m0 (warpgroup 0's factor) -> m1.
         total = cute.make_rmem_tensor((2,), cutlass.Float32)
-        _, base = self.publish_row_max(v, rows, sM, sScale, cur, 1, chained=total)
-        rescale_o(v.acc_o, total)
+        alpha, base = self.publish_row_max(v, rows, sM, sScale, cur, 1, chained=total)
+        if cutlass.const_expr(rescale):
+            rescale_o(v.acc_o, total)
         if cutlass.const_expr(empty):
             for i in cutlass.range_constexpr(2):
                 rows.row_sum[i] = rows.row_sum[i] * total[i]
@@ -232,6 +236,7 @@ class SeesawConsumer(SplitKVConsumer):
             for i in cutlass.range_constexpr(2):
                 rows.row_sum[i] = rows.row_sum[i] * total[i] + part[i]
             v.rPc.store(v.acc_s.load().to(self.dtype))
+        return alpha
 
     @cute.jit
     def zero_tail_v(self, v, buf: cutlass.Constexpr, valid):
@@ -336,6 +341,7 @@ class SeesawBarriers:
     scale1: Any
     p0_ready: Any
     p1_issued: Any
+    p0_read: Any
     max_init: Any
     epilogue: Any
 
@@ -349,6 +355,7 @@ class SeesawBarriers:
             scale1=bar(SeesawBarrier.SCALE1),
             p0_ready=bar(SeesawBarrier.P0_READY),
             p1_issued=bar(SeesawBarrier.P1_ISSUED),
+            p0_read=bar(SeesawBarrier.P0_READ),
             max_init=bar(SeesawBarrier.MAX_INIT, 128),
             epilogue=ConsumerBarriers(row_max=None, p_ready=None, row_sum=bar(SeesawBarrier.ROW_SUM)),
         )

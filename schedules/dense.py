@@ -31,6 +31,12 @@ class DenseDecodeSchedule:
         the H200, so off.
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     num_sm_parts: CTAs per (KV head, M tile); None = FlashMLA's rule from the SM count.
+    cross_term_first: seesaw kernel only: warpgroup 1 issues P0 V0_R (the cross term, P0 at warpgroup 0's
+        row max) before its own softmax, and P1 V1_R right behind it; a buffer's right half refills a
+        step earlier.  Measured on the H200 (docs/performance.md, entry 22): 2-3.5% faster on the
+        memory-bound rows (one M tile a KV head); with two M tiles (h_q = 128) 5% faster at b = 1,
+        128K, but 1-3% slower on the long and the s_q = 2 rows.  None: on exactly when the kernel has
+        one M tile a KV head.
     combine_chunked_batch: the largest batch whose combine splits each row into 4 column chunks,
         one CTA each (0: never).  A small batch has few rows and many partials a row; chunks
         spread them over more SMs (b = 1, 128K: 94 -> 85 us on the H200).
@@ -43,10 +49,16 @@ class DenseDecodeSchedule:
     split_fixed_cost: int = 5
     num_sm_parts: Optional[int] = None
     combine_chunked_batch: int = 4
+    cross_term_first: Optional[bool] = None
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
-        return (self.kv_stages, self.qk_prefetch, self.kv_evict_first, self.seesaw, self.combine_chunked_batch)
+        return (self.kv_stages, self.qk_prefetch, self.kv_evict_first, self.seesaw, self.combine_chunked_batch,
+                self.cross_term_first)
+
+    def cross_term_first_for(self, m_tiles: int) -> bool:
+        """``cross_term_first`` for a kernel with ``m_tiles`` 64-row M tiles a KV head."""
+        return m_tiles == 1 if self.cross_term_first is None else self.cross_term_first
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         q = 64 * 576 * elem_bytes
@@ -72,6 +84,10 @@ class DenseDecodeSchedule:
         if self.seesaw and self.qk_prefetch:
             raise ValueError("qk_prefetch is a serial-kernel option (the seesaw already overlaps S with the "
                              "softmax); set seesaw=False to use it")
+        if self.cross_term_first is not None:
+            check_bool("cross_term_first", self.cross_term_first)
+            if self.cross_term_first and not self.seesaw:
+                raise ValueError("cross_term_first orders the seesaw's steps; set seesaw=True or leave it None")
         check_split_policy(self)
         check_combine(self)
         check_smem(self)

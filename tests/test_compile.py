@@ -56,15 +56,21 @@ def test_dense_decode_uses_wgmma_tma_mbarriers_without_spills(dtype, s_q, h_q, h
     _check_register_split(ptx, regs, inc_warpgroups=2)
 
 
-def test_dense_seesaw_splits_tiles_into_sub_tile_copies_without_spills(capfd):
+@pytest.mark.parametrize("s_q,h_q,causal,cross_first", [(2, 128, True, False), (1, 64, False, True)])
+def test_dense_seesaw_splits_tiles_into_sub_tile_copies_without_spills(s_q, h_q, causal, cross_first, capfd):
     """The seesaw kernel: 9 TMA sub-tile copies per tile with their own barriers, S = Q K^T partly with
-    Q's RoPE part from registers, P V from registers and from shared memory, no WGMMA serialization."""
+    Q's RoPE part from registers, P V from registers and from shared memory, no WGMMA serialization; in
+    FlashMLA's step order with two M tiles, the cross term first with one."""
     from mla_cute.kernels.build import compile_dense_decode
+    from mla_cute.kernels.seesaw import SeesawBarrier
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE
 
     assert DEFAULT_DENSE_SCHEDULE == SEESAW_DENSE_SCHEDULE
-    fn = compile_dense_decode(torch.bfloat16, 2, 128, 1, True, 64, SEESAW_DENSE_SCHEDULE, options=OPTIONS)
+    fn = compile_dense_decode(torch.bfloat16, s_q, h_q, 1, causal, 64, SEESAW_DENSE_SCHEDULE, options=OPTIONS)
     ptx = fn.__ptx__
+    named = {int(b) for b in re.findall(r"bar(?:rier)?\.(?:sync|arrive)(?:\.aligned)? (\d+),", ptx)}
+    assert (int(SeesawBarrier.P0_READ) in named) == cross_first
+    assert (int(SeesawBarrier.P1_ISSUED) in named) != cross_first
     assert ptx.count("wgmma.mma_async") >= 4 * 36
     assert ptx.count("cp.async.bulk.tensor") >= 1 + 9 + 9
     assert ptx.count("mbarrier.arrive.expect_tx") >= 19

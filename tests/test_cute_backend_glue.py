@@ -309,6 +309,18 @@ def test_dense_schedule_rules():
         DenseDecodeSchedule(seesaw=False, kv_stages=3).validate()
     with pytest.raises(ValueError, match="seesaw must be a bool"):
         DenseDecodeSchedule(seesaw=1).validate()
+    # The cross-term-first order: by M tile count unless set; a seesaw option.
+    assert DEFAULT_DENSE_SCHEDULE.cross_term_first_for(1) and not DEFAULT_DENSE_SCHEDULE.cross_term_first_for(2)
+    for forced in (True, False):
+        sched = DenseDecodeSchedule(cross_term_first=forced)
+        sched.validate()
+        assert sched.cross_term_first_for(1) is forced and sched.cross_term_first_for(4) is forced
+        assert sched.kernel_key() != DEFAULT_DENSE_SCHEDULE.kernel_key()
+    with pytest.raises(ValueError, match="cross_term_first must be a bool"):
+        DenseDecodeSchedule(cross_term_first=1).validate()
+    with pytest.raises(ValueError, match="seesaw=True"):
+        DenseDecodeSchedule(seesaw=False, cross_term_first=True).validate()
+    DenseDecodeSchedule(seesaw=False, cross_term_first=False).validate()
     # Q, two 64 x 576 tiles, one P and the row buffers fit a Hopper CTA.
     assert 225 * 1024 < SEESAW_DENSE_SCHEDULE.smem_bytes() <= 232448
 

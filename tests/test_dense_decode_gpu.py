@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -39,7 +40,7 @@ def run_and_check(case, s_q, causal, *, reuse=1, magnitude_tol=False):
 
 @pytest.fixture(autouse=True)
 def _dense_schedule():
-    """MLA_CUTE_DENSE_SCHEDULE=serial|seesaw|prefetch runs every test here under that schedule."""
+    """MLA_CUTE_DENSE_SCHEDULE=<a name of ``_schedules``> runs every test here under that schedule."""
     name = os.environ.get("MLA_CUTE_DENSE_SCHEDULE")
     if not name:
         yield
@@ -53,8 +54,12 @@ def _dense_schedule():
 def _schedules():
     from mla_cute import schedules
 
-    return {"serial": schedules.SERIAL_DENSE_SCHEDULE, "seesaw": schedules.SEESAW_DENSE_SCHEDULE,
-            "prefetch": schedules.PREFETCH_DENSE_SCHEDULE}
+    seesaw = schedules.SEESAW_DENSE_SCHEDULE
+    return {"serial": schedules.SERIAL_DENSE_SCHEDULE, "seesaw": seesaw,
+            "prefetch": schedules.PREFETCH_DENSE_SCHEDULE,
+            # the seesaw's two step orders on every M tile count (the default picks one by the count)
+            "seesaw_cross_first": dataclasses.replace(seesaw, cross_term_first=True),
+            "seesaw_cross_last": dataclasses.replace(seesaw, cross_term_first=False)}
 
 
 # Lengths that put the last tile of a request at every position of a tile pair (0-5 tiles,
@@ -69,7 +74,7 @@ SCHEDULE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["serial", "seesaw"])
+@pytest.mark.parametrize("name", ["serial", "seesaw", "seesaw_cross_first", "seesaw_cross_last"])
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", SCHEDULE_CASES)
 def test_schedule_tile_positions(name, dtype, s_q, h_q, h_kv, causal):
     import mla_cute
