@@ -376,12 +376,7 @@ class DenseSeesawKernel(SeesawConsumer):
                 v.acc_o[e] = v.acc_o[e] * scale1[(e // 2) % 2]
             self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
         if cutlass.const_expr(not blk0_last and not blk1_last):
-            # S of blk + 2: its first four sub-tiles were refilled first (above).
-            self.issue_qk(v, 0, V_L_SUBS, flip=False)
-            warpgroup.wait_group(len(V_L_SUBS))
-            if v.tid < 32 and blk + 3 < last:
-                self.load_kv(loader, loc3, 1, V_L_SUBS)
-            self.issue_qk(v, 0, V_R_SUBS, accumulate=True)
+            self.wg0_next_s(v, loader, loc3, blk, last)
         warpgroup.wait_group(0)
 
     @cute.jit
@@ -452,11 +447,7 @@ class DenseSeesawKernel(SeesawConsumer):
             rescale_o(v.acc_o, scale1)
             self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
         if cutlass.const_expr(not blk0_last and not blk1_last):
-            self.issue_qk(v, 0, V_L_SUBS, flip=False)
-            warpgroup.wait_group(len(V_L_SUBS))
-            if v.tid < 32 and blk + 3 < last:
-                self.load_kv(loader, loc3, 1, V_L_SUBS)
-            self.issue_qk(v, 0, V_R_SUBS, accumulate=True)
+            self.wg0_next_s(v, loader, loc3, blk, last)
         # Warpgroup 1's P0 V0_R has read sP0 before the next pair writes it.
         bars.p0_read.arrive_and_wait()
         warpgroup.wait_group(0)
@@ -506,6 +497,16 @@ class DenseSeesawKernel(SeesawConsumer):
                 self.load_kv(loader, loc3, 1, V_R_SUBS)
             self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
         warpgroup.wait_group(0)
+
+    @cute.jit
+    def wg0_next_s(self, v, loader, loc3, blk, last):
+        """Issue S of tile blk + 2 (its V_L sub-tiles, refilled first, first) and, once this pair's
+        P1 V1_L has read K1's left half, refill it with tile blk + 3."""
+        self.issue_qk(v, 0, V_L_SUBS, flip=False)
+        warpgroup.wait_group(len(V_L_SUBS))
+        if v.tid < 32 and blk + 3 < last:
+            self.load_kv(loader, loc3, 1, V_L_SUBS)
+        self.issue_qk(v, 0, V_R_SUBS, accumulate=True)
 
     # ------------------------------------------------------------- TMA loads
     @cute.jit
