@@ -281,7 +281,7 @@ class DenseSeesawKernel(SeesawConsumer):
                 self.wg0_request(v, rows, sM, sScale, bars, loader, req, first, last, seqlen, scale_log2)
             else:
                 self.wg1_request(v, rows, sM, sScale, bars, loader, req, first, last, seqlen, scale_log2)
-            max2 = self.final_max(rows, sM)
+            max2 = self.row_values(rows, sM, 0)  # before the epilogue's barrier: WG0 resets sM after it
             tile = OutputTile(kv_head, m_tile * BLOCK_M, self.rows - m_tile * BLOCK_M)
             self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, max2=max2, splits=splits,
                           staged=staged)
@@ -356,9 +356,7 @@ class DenseSeesawKernel(SeesawConsumer):
             if v.tid < 32:
                 self.load_kv(loader, loc2, 0, V_L_SUBS)
         # P0 to the final max of the pair, for warpgroup 1's P0 V0_R.
-        scale1 = cute.make_rmem_tensor((2,), cutlass.Float32)
-        for i in cutlass.range_constexpr(2):
-            scale1[i] = sScale[rows.row0 + 8 * i, 1]
+        scale1 = self.row_values(rows, sScale, 1)
         for e in cutlass.range_constexpr(cute.size(v.acc_s)):
             v.acc_s[e] = v.acc_s[e] * scale1[(e // 2) % 2]
         v.rPc.store(v.acc_s.load().to(self.dtype))
@@ -462,10 +460,7 @@ class DenseSeesawKernel(SeesawConsumer):
         if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
             loc3 = self.tile_location(loader, req, blk + 3)
         bars.scale0.arrive_and_wait()
-        scale0 = cute.make_rmem_tensor((2,), cutlass.Float32)
-        for i in cutlass.range_constexpr(2):
-            scale0[i] = sScale[rows.row0 + 8 * i, 0]
-        rescale_o(v.acc_o, scale0)
+        rescale_o(v.acc_o, self.row_values(rows, sScale, 0))
         if cutlass.const_expr(blk0_last):
             self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
         self.issue_pv(v, v.mmas.pv_ss, v.tOrP0, v.tOrV_ss, 0)

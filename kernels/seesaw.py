@@ -247,12 +247,13 @@ class SeesawConsumer(SplitKVConsumer):
             cute.arch.fence_view_async_shared()
 
     @cute.jit
-    def final_max(self, rows, sM):
-        """The rows' max in log2 units, read before the epilogue's barrier (WG0 resets it after)."""
-        max2 = cute.make_rmem_tensor((2,), cutlass.Float32)
+    def row_values(self, rows, table, col: cutlass.Constexpr):
+        """Column ``col`` of a [64][2] fp32 table in shared memory (sM, sScale) at this thread's two
+        rows, into registers."""
+        vals = cute.make_rmem_tensor((2,), cutlass.Float32)
         for i in cutlass.range_constexpr(2):
-            max2[i] = sM[rows.row0 + 8 * i, 0]
-        return max2
+            vals[i] = table[rows.row0 + 8 * i, col]
+        return vals
 
 
 @cute.jit
