@@ -410,7 +410,8 @@ def load_splits(outs, req):
 
 @cute.jit
 def rescale_o(acc_o, factor):
-    """O rows *= factor (per accumulator row pair); skipped once the row maxima have settled."""
+    """A WGMMA accumulator's rows (O, or S / P) *= factor (value e is in the thread's row (e // 2) % 2);
+    skipped when both factors are 1, as they are once the row maxima have settled."""
     if cutlass.min(factor[0], factor[1]) != 1.0:
         for e in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[e] = acc_o[e] * factor[(e // 2) % 2]

@@ -357,8 +357,7 @@ class DenseSeesawKernel(SeesawConsumer):
                 self.load_kv(loader, loc2, 0, V_L_SUBS)
         # P0 to the final max of the pair, for warpgroup 1's P0 V0_R.
         scale1 = self.row_values(rows, sScale, 1)
-        for e in cutlass.range_constexpr(cute.size(v.acc_s)):
-            v.acc_s[e] = v.acc_s[e] * scale1[(e // 2) % 2]
+        rescale_o(v.acc_s, scale1)
         v.rPc.store(v.acc_s.load().to(self.dtype))
         cute.autovec_copy(v.rPc, v.tPsP0)
         cute.arch.fence_view_async_shared()
@@ -370,8 +369,7 @@ class DenseSeesawKernel(SeesawConsumer):
             bars.p1_issued.arrive_and_wait()
             for i in cutlass.range_constexpr(2):
                 rows.row_sum[i] = rows.row_sum[i] * scale1[i]
-            for e in cutlass.range_constexpr(cute.size(v.acc_o)):
-                v.acc_o[e] = v.acc_o[e] * scale1[(e // 2) % 2]
+            rescale_o(v.acc_o, scale1)
             self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
         if cutlass.const_expr(not blk0_last and not blk1_last):
             self.wg0_next_s(v, loader, loc3, blk, last)
