@@ -65,9 +65,12 @@ def configs(subset: str):
         sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=132, combine_chunked_batch=chunked_batch)
         seen.add((torch.bfloat16, 3, 5, 1, True, 64, sched))
         seen.add((torch.bfloat16, 1, 128, 1, False, 64, sched))
-    for sched in (SERIAL_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE):  # the tile-position test
+    named = grid._schedules()  # the tile-position tests: every schedule they name, and tile multicast forced on
+    for name in ("serial", "seesaw", "seesaw_cross_first", "seesaw_cross_last", "seesaw_no_multicast"):
         for dtype, s_q, h_q, h_kv, causal in grid.SCHEDULE_CASES:
-            seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, sched))
+            seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, named[name]))
+    for dtype, s_q, h_q, h_kv, causal in grid.MULTICAST_CASES:
+        seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, named["seesaw_multicast"]))
     for b, s_q, h_q, s_k in (CONFIGS if subset == "all" else []):
         for sched in (DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE):
             seen.add((torch.bfloat16, s_q, h_q, 1, s_q > 1, 64, sched))

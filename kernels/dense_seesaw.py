@@ -17,6 +17,11 @@ the cross term first (schedule field ``cross_term_first``): P0 leaves at m0, WG1
 its softmax and P1 V1_R right behind it, and O_L / O_R move to m1 only where the max moved, so the
 right half of K0 refills a step earlier.  There is no producer warpgroup: the warpgroup that frees a
 part of a buffer issues the TMA copy that refills it.
+Tile multicast (schedule field ``tile_multicast``; by default with 128 query heads a KV head): the two M
+tiles of a pair (grid y 2i and 2i + 1, which see the same tiles) run as a 2-CTA cluster, and each CTA
+loads 32 of each sub-tile's 64 rows into both CTAs (TMA multicast), so each tile crosses from L2 once
+for both.  A buffer half may be overwritten only once both CTAs freed it: the warp that refills it
+arrives on the peer's ``free`` barrier of that half and waits on its own before its copies.
 Each 64 x 576 tile arrives as nine 64 x 64 sub-tiles, each with its own mbarrier, and S = Q K^T
 consumes sub-tile j as soon as it lands:
   K0 sub-tiles 0-3 (V0_L) refill after WG0's P0 V0_L; 4-8 after WG1's P0 V0_R;
@@ -25,7 +30,9 @@ consumes sub-tile j as soon as it lands:
 Warpgroup roles (256 threads, one CTA per SM, no register reallocation):
   WG0  S of the even tiles, O_L.  Its warp 0 issues each request's Q copy and first tile pair,
        and the refills of sub-tiles 0-3; its thread 0 the bulk copies of a request's final rows.
-  WG1  S of the odd tiles, O_R.  Its warp 0 issues the refills of sub-tiles 4-8.
+  WG1  S of the odd tiles, O_R.  Its warp 0 issues the refills of sub-tiles 4-8 (with tile multicast
+       also a request's first loads of them, so that one warp keeps each half's phase of the peer's
+       hand-back).
 
 Shared-memory plan (16-bit q/cache; bytes):
   sQ      64 x 576                        73 728  (its last 64 x 64 sub-tile, the RoPE part of Q,
@@ -38,6 +45,7 @@ Shared-memory plan (16-bit q/cache; bytes):
   sM, sScale, sSum  3 x [64][2] fp32       1 536  (row max in log2 units in sM[:, 0]; the rescale
                                                    factors of WG0 and WG1; the epilogue's sums)
   mbarriers: Q; K sub-tiles [2][9]           160
+  (tile multicast) free [2][2]                32  (per buffer and half: the peer freed its copy)
 About 226 KiB of the 227 KiB a CTA may have (``DenseDecodeSchedule.smem_bytes``).
 
 Causal: the tiles no row of the M tile sees are skipped; the scores past a row's end are masked
@@ -108,6 +116,7 @@ class DenseSeesawKernel(SeesawConsumer):
         set_dense_facts(self, dtype, rows, group, s_q, causal, page_size)
         self.kv_evict_first = schedule.kv_evict_first
         self.cross_term_first = schedule.cross_term_first_for(self.m_tiles)
+        self.tile_multicast = schedule.tile_multicast_for(self.m_tiles, group, causal)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -134,7 +143,11 @@ class DenseSeesawKernel(SeesawConsumer):
             (None, None, 0),
         )
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q, sQ_layout, (BLOCK_M, D_QK))
-        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k, sub_layout, (BLOCK_N, SUB))
+        if cutlass.const_expr(self.tile_multicast):
+            tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp(), k, sub_layout, (BLOCK_N, SUB), num_multicast=2)
+        else:
+            tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k, sub_layout, (BLOCK_N, SUB))
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.sub_bytes = cute.size_in_bytes(self.dtype, sub_layout)
 
@@ -142,6 +155,8 @@ class DenseSeesawKernel(SeesawConsumer):
         class SharedStorage:
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * NUM_SUB]
+            if cutlass.const_expr(self.tile_multicast):
+                free_mbar: cute.struct.MemRange[cutlass.Int64, 4]  # [buffer][half]: the peer freed it
             row_max: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]  # row_exchange's pair; [:, 0] is sM
             row_sum: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             scale: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
@@ -165,6 +180,7 @@ class DenseSeesawKernel(SeesawConsumer):
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
+            **({"cluster": [1, 2, 1]} if self.tile_multicast else {}),
         )
 
     # ------------------------------------------------------------------ device side
@@ -200,8 +216,16 @@ class DenseSeesawKernel(SeesawConsumer):
             cute.arch.mbarrier_init(q_bar, 1)
             for j in cutlass.range_constexpr(2 * NUM_SUB):
                 cute.arch.mbarrier_init(kv_bar + j, 1)
+            if cutlass.const_expr(self.tile_multicast):
+                for j in cutlass.range_constexpr(4):
+                    cute.arch.mbarrier_init(storage.free_mbar.data_ptr() + j, 1)
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if cutlass.const_expr(self.tile_multicast):
+            # The peer must see initialised barriers before it arrives or multicasts into them.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         # The warpgroup is a compile-time fact of each branch, so each gets its own code.  Every
         # record is built inside its branch: a branch may rebind what it uses.
@@ -215,6 +239,11 @@ class DenseSeesawKernel(SeesawConsumer):
                 1, storage, tma_atom_q, tma_q, tma_atom_k, tma_k, mBlockTable, mSeqlens, mSched, mNumSplits,
                 mOut, mLse, mOAccum, mLseAccum, scale_log2, sQ_layout, sK_layout, sV_layout, sP_layout,
             )
+        if cutlass.const_expr(self.tile_multicast):
+            # Every multicast into this CTA and every remote arrival on it was waited for, but neither CTA
+            # leaves before the other is done with the cluster.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def run_warpgroup(
@@ -230,7 +259,8 @@ class DenseSeesawKernel(SeesawConsumer):
         q_bar = storage.q_mbar.data_ptr()
         kv_bar = storage.kv_mbar.data_ptr()
         loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar,
-                                 mBlockTable, m_tile, kv_head)
+                                 mBlockTable, m_tile, kv_head, self.tile_multicast,
+                                 storage.free_mbar.data_ptr() if self.tile_multicast else None)
         outs = SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum)
         # Final rows leave through Q's bytes (dead after the request's last pair; the next Q is loaded
         # by warp 0, whose thread 0 issues the copies and waits for their reads first).
@@ -266,7 +296,18 @@ class DenseSeesawKernel(SeesawConsumer):
             if cutlass.const_expr(self.causal):
                 last = cutlass.min(last, (seqlen - common_shift + BLOCK_N - 1) // BLOCK_N)
             n = last - first
-            if tidx < 32:
+            if cutlass.const_expr(self.tile_multicast):
+                # Each buffer half is refilled by one warp throughout (its phase of the peer's
+                # hand-back lives there): V_L by warpgroup 0's first warp, V_R by warpgroup 1's.
+                if tidx % 128 < 32:
+                    if cutlass.const_expr(wg == 0):
+                        self.load_q(loader, req)
+                    subs = V_L_SUBS if wg == 0 else V_R_SUBS
+                    if n >= 1:
+                        self.load_kv(loader, self.tile_location(loader, req, first), 0, subs)
+                    if n >= 2:
+                        self.load_kv(loader, self.tile_location(loader, req, first + 1), 1, subs)
+            elif tidx < 32:
                 self.load_q(loader, req)
                 if n >= 1:
                     self.load_kv(loader, self.tile_location(loader, req, first), 0, V_L_SUBS + V_R_SUBS)
@@ -519,17 +560,45 @@ class DenseSeesawKernel(SeesawConsumer):
     @cute.jit
     def load_kv(self, ld, loc, buf: cutlass.Constexpr, subtiles: cutlass.Constexpr):
         """``subtiles`` of the tile at ``loc`` into buffer ``buf`` (by a whole warp)."""
+        if cutlass.const_expr(self.tile_multicast):
+            self.load_kv_multicast(ld, loc, buf, subtiles)
+        else:
+            tile_in_page, phys = loc
+            for j in subtiles:
+                bar = ld.kv_bar + (buf * NUM_SUB + j)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, self.sub_bytes)
+                src = ld.tKgK[None, tile_in_page, j, ld.kv_head, phys]
+                dst = ld.tKsK[None, 0, j, buf]
+                if cutlass.const_expr(self.kv_evict_first):
+                    cute.copy(ld.tma_atom_k, src, dst, tma_bar_ptr=bar, cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+                else:
+                    cute.copy(ld.tma_atom_k, src, dst, tma_bar_ptr=bar)
+
+    @cute.jit
+    def load_kv_multicast(self, ld, loc, buf: cutlass.Constexpr, subtiles: cutlass.Constexpr):
+        """``load_kv`` in a 2-CTA cluster: this CTA loads its half of each sub-tile's rows into both CTAs.
+        Its barriers expect the whole sub-tile first (the peer's half may land any time after the
+        hand-back); then it hands its copy of the buffer half back to the peer and waits for the peer's."""
         tile_in_page, phys = loc
+        half = 0 if subtiles[0] == V_L_SUBS[0] else 1
+        free = ld.free_bar + (buf * 2 + half)
         for j in subtiles:
-            bar = ld.kv_bar + (buf * NUM_SUB + j)
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, self.sub_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(ld.kv_bar + (buf * NUM_SUB + j), self.sub_bytes)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(free, ld.peer)
+        cute.arch.mbarrier_wait(free, ld.free_phase[buf])
+        ld.free_phase[buf] = ld.free_phase[buf] ^ 1
+        for j in subtiles:
             src = ld.tKgK[None, tile_in_page, j, ld.kv_head, phys]
             dst = ld.tKsK[None, 0, j, buf]
+            bar = ld.kv_bar + (buf * NUM_SUB + j)
             if cutlass.const_expr(self.kv_evict_first):
-                cute.copy(ld.tma_atom_k, src, dst, tma_bar_ptr=bar, cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+                cute.copy(ld.tma_atom_k, src, dst, tma_bar_ptr=bar, mcast_mask=cutlass.Int16(3),
+                          cache_policy=cutlass.Int64(L2_EVICT_FIRST))
             else:
-                cute.copy(ld.tma_atom_k, src, dst, tma_bar_ptr=bar)
+                cute.copy(ld.tma_atom_k, src, dst, tma_bar_ptr=bar, mcast_mask=cutlass.Int16(3))
 
     # ------------------------------------------------------------- the pieces
 
@@ -551,9 +620,13 @@ class TileLoader:
     block_table: Any
     m_tile: Any
     kv_head: Any
+    free_bar: Any = None  # tile multicast: [buffer][half] mbarriers the peer arrives on
+    peer: Any = None  # tile multicast: the other CTA's rank in the cluster
+    free_phase: Any = None  # tile multicast: this warp's phase of free_bar, a buffer each
 
     @staticmethod
-    def make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar, block_table, m_tile, kv_head):
+    def make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar, block_table, m_tile, kv_head,
+             multicast: cutlass.Constexpr = False, free_bar=None):
         # ((64, 576), m_tiles, 1, h_kv, b) and ((64, 64), page/64, 9, h_kv, num_blocks)
         gQ = cute.flat_divide(tma_q, (BLOCK_M, D_QK))
         gK = cute.flat_divide(tma_k, (BLOCK_N, SUB))
@@ -561,6 +634,15 @@ class TileLoader:
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
+        if cutlass.const_expr(multicast):
+            rank = cute.arch.block_idx_in_cluster()
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_k, rank, cute.make_layout(2), cute.group_modes(sK_sub, 0, 2), cute.group_modes(gK, 0, 2)
+            )
+            free_phase = cute.make_rmem_tensor((2,), cutlass.Int32)
+            free_phase.fill(0)
+            return TileLoader(tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, q_bar, kv_bar,
+                              block_table, m_tile, kv_head, free_bar, 1 - rank, free_phase)
         tKsK, tKgK = cpasync.tma_partition(
             tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK_sub, 0, 2), cute.group_modes(gK, 0, 2)
         )

@@ -37,6 +37,13 @@ class DenseDecodeSchedule:
         memory-bound rows (one M tile a KV head); with two M tiles (h_q = 128) 5% faster at b = 1,
         128K, but 1-3% slower on the long and the s_q = 2 rows.  None: on exactly when the kernel has
         one M tile a KV head.
+    tile_multicast: seesaw kernel only: the two M tiles of a pair (rows 0-63 and 64-127 of a KV head's
+        128, which see the same tiles) run as a 2-CTA cluster, and each 64 x 64 sub-tile is loaded
+        once for both, half by each CTA, with TMA multicast: half the L2-to-SM traffic, but a buffer
+        half refills only once both CTAs freed it.  Needs an even number of M tiles and, when causal,
+        a multiple of 128 query heads a KV head (the pair's rows end at the same key).  Measured on the
+        H200 (docs/performance.md, entry 24): 0.5-4% faster on the h_q = 128 rows but b = 1, 128K, 2%
+        slower there.  None: on exactly when a KV head has a multiple of 128 query heads.
     combine_chunked_batch: the largest batch whose combine splits each row into 4 column chunks,
         one CTA each (0: never).  A small batch has few rows and many partials a row; chunks
         spread them over more SMs (b = 1, 128K: 94 -> 85 us on the H200).
@@ -50,22 +57,36 @@ class DenseDecodeSchedule:
     num_sm_parts: Optional[int] = None
     combine_chunked_batch: int = 4
     cross_term_first: Optional[bool] = None
+    tile_multicast: Optional[bool] = None
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
         return (self.kv_stages, self.qk_prefetch, self.kv_evict_first, self.seesaw, self.combine_chunked_batch,
-                self.cross_term_first)
+                self.cross_term_first, self.tile_multicast)
 
     def cross_term_first_for(self, m_tiles: int) -> bool:
         """``cross_term_first`` for a kernel with ``m_tiles`` 64-row M tiles a KV head."""
         return m_tiles == 1 if self.cross_term_first is None else self.cross_term_first
+
+    def tile_multicast_for(self, m_tiles: int, group: int, causal: bool) -> bool:
+        """``tile_multicast`` for a kernel with ``m_tiles`` M tiles and ``group`` query heads a KV head;
+        True where the pairing is impossible raises."""
+        if self.tile_multicast is None:
+            return group % 128 == 0
+        if not self.tile_multicast:
+            return False
+        if m_tiles % 2 != 0 or (causal and group % 128 != 0):
+            raise ValueError(
+                f"tile_multicast pairs M tiles that see the same KV tiles: it needs an even number of 64-row M "
+                f"tiles (got {m_tiles}) and, when causal, a multiple of 128 query heads a KV head (got {group})")
+        return True
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         q = 64 * 576 * elem_bytes
         kv = self.kv_stages * 64 * 576 * elem_bytes
         p = 64 * 64 * elem_bytes  # the seesaw's second P lives in Q's RoPE bytes
         if self.seesaw:
-            small = 3 * 2 * 64 * 4 + 8 * (2 + 2 * 9)
+            small = 3 * 2 * 64 * 4 + 8 * (2 + 2 * 9 + 4)  # the last 4: tile multicast's hand-back barriers
         else:
             small = 2 * 64 * 4 * 2 + 64 * 8 * (self.kv_stages + 2)
         return q + kv + p + small
@@ -88,6 +109,10 @@ class DenseDecodeSchedule:
             check_bool("cross_term_first", self.cross_term_first)
             if self.cross_term_first and not self.seesaw:
                 raise ValueError("cross_term_first orders the seesaw's steps; set seesaw=True or leave it None")
+        if self.tile_multicast is not None:
+            check_bool("tile_multicast", self.tile_multicast)
+            if self.tile_multicast and not self.seesaw:
+                raise ValueError("tile_multicast is a seesaw-kernel option; set seesaw=True or leave it None")
         check_split_policy(self)
         check_combine(self)
         check_smem(self)

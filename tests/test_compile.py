@@ -85,6 +85,31 @@ def test_dense_seesaw_splits_tiles_into_sub_tile_copies_without_spills(s_q, h_q,
     assert max(regs) <= 255
 
 
+@pytest.mark.parametrize("evict_first", [False, True])
+def test_dense_tile_multicast_loads_each_sub_tile_once_for_the_pair(evict_first, capfd):
+    """``tile_multicast``: a 2-CTA cluster, each CTA loading half of every sub-tile into both (TMA
+    multicast), handing its copy of a buffer half back to the peer (remote mbarrier arrival), and a
+    cluster barrier after the barriers' initialisation and before exit."""
+    import dataclasses
+
+    from mla_cute.kernels.build import compile_dense_decode
+    from mla_cute.schedules import SEESAW_DENSE_SCHEDULE
+
+    sched = dataclasses.replace(SEESAW_DENSE_SCHEDULE, tile_multicast=True, kv_evict_first=evict_first)
+    fn = compile_dense_decode(torch.bfloat16, 1, 128, 1, False, 64, sched, options=OPTIONS)
+    ptx = fn.__ptx__
+    multicast = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.\S*multicast::cluster", ptx))
+    assert multicast >= 9 + 9  # a request's first two tiles, then each refill
+    assert "mbarrier.arrive.shared::cluster" in ptx
+    assert ptx.count("barrier.cluster.arrive") >= 2 and ptx.count("barrier.cluster.wait") >= 2
+    assert ptx.count("wgmma.mma_async") >= 4 * 36
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    err = capfd.readouterr().err
+    assert "C7514" not in err and "C7517" not in err, "ptxas serialized WGMMA: " + err[:2000]
+    spills, regs = _ptxas_report(err)
+    assert spills and all(sp == (0, 0, 0) for sp in spills), f"stack frame / spills: {spills}"
+
+
 def test_combine_and_scheduler_compile_without_spills(capfd):
     from mla_cute.kernels.build import compile_combine, compile_scheduler
 

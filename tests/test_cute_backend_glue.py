@@ -321,6 +321,24 @@ def test_dense_schedule_rules():
     with pytest.raises(ValueError, match="seesaw=True"):
         DenseDecodeSchedule(seesaw=False, cross_term_first=True).validate()
     DenseDecodeSchedule(seesaw=False, cross_term_first=False).validate()
+    # Tile multicast: by default with 128 query heads a KV head (or a multiple); pairs M tiles that see
+    # the same tiles.
+    assert DEFAULT_DENSE_SCHEDULE.tile_multicast_for(2, 128, False) and DEFAULT_DENSE_SCHEDULE.tile_multicast_for(4, 128, True)
+    assert not DEFAULT_DENSE_SCHEDULE.tile_multicast_for(2, 64, False)
+    assert not DEFAULT_DENSE_SCHEDULE.tile_multicast_for(1, 64, False)
+    assert not DenseDecodeSchedule(tile_multicast=False).tile_multicast_for(2, 128, False)
+    paired = DenseDecodeSchedule(tile_multicast=True)
+    paired.validate()
+    assert paired.kernel_key() != DEFAULT_DENSE_SCHEDULE.kernel_key()
+    assert paired.tile_multicast_for(2, 128, True) and paired.tile_multicast_for(4, 256, True)
+    assert paired.tile_multicast_for(2, 64, False)  # s_q = 2 without causality: the same tiles
+    for m_tiles, group, causal in ((1, 64, False), (3, 64, False), (2, 64, True)):
+        with pytest.raises(ValueError, match="tile_multicast"):
+            paired.tile_multicast_for(m_tiles, group, causal)
+    with pytest.raises(ValueError, match="tile_multicast must be a bool"):
+        DenseDecodeSchedule(tile_multicast=1).validate()
+    with pytest.raises(ValueError, match="seesaw=True"):
+        DenseDecodeSchedule(seesaw=False, tile_multicast=True).validate()
     # Q, two 64 x 576 tiles, one P and the row buffers fit a Hopper CTA.
     assert 225 * 1024 < SEESAW_DENSE_SCHEDULE.smem_bytes() <= 232448
 

@@ -59,7 +59,10 @@ def _schedules():
             "prefetch": schedules.PREFETCH_DENSE_SCHEDULE,
             # the seesaw's two step orders on every M tile count (the default picks one by the count)
             "seesaw_cross_first": dataclasses.replace(seesaw, cross_term_first=True),
-            "seesaw_cross_last": dataclasses.replace(seesaw, cross_term_first=False)}
+            "seesaw_cross_last": dataclasses.replace(seesaw, cross_term_first=False),
+            # tile multicast forced on (every pairable kernel) and off (the h_q = 128 kernels without it)
+            "seesaw_multicast": dataclasses.replace(seesaw, tile_multicast=True),
+            "seesaw_no_multicast": dataclasses.replace(seesaw, tile_multicast=False)}
 
 
 # Lengths that put the last tile of a request at every position of a tile pair (0-5 tiles,
@@ -74,7 +77,7 @@ SCHEDULE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["serial", "seesaw", "seesaw_cross_first", "seesaw_cross_last"])
+@pytest.mark.parametrize("name", ["serial", "seesaw", "seesaw_cross_first", "seesaw_cross_last", "seesaw_no_multicast"])
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", SCHEDULE_CASES)
 def test_schedule_tile_positions(name, dtype, s_q, h_q, h_kv, causal):
     import mla_cute
@@ -82,6 +85,26 @@ def test_schedule_tile_positions(name, dtype, s_q, h_q, h_kv, causal):
     case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, h_q, h_kv, lengths=PAIR_LENGTHS, dtype=dtype,
                            gen=torch.Generator().manual_seed(s_q * 100 + h_q))
     with mla_cute.use_schedule(_schedules()[name]):
+        run_and_check(case, s_q, causal, reuse=2)
+
+
+# The kernels that can pair M tiles in a 2-CTA cluster (an even number of M tiles a KV head; causal:
+# 128 query heads a KV head per position).
+MULTICAST_CASES = [
+    (torch.bfloat16, 1, 128, 1, False),
+    (torch.bfloat16, 2, 128, 1, True),
+    (torch.float16, 1, 256, 2, False),
+    (torch.bfloat16, 2, 64, 1, False),
+]
+
+
+@pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", MULTICAST_CASES)
+def test_tile_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal):
+    import mla_cute
+
+    case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, h_q, h_kv, lengths=PAIR_LENGTHS, dtype=dtype,
+                           gen=torch.Generator().manual_seed(s_q * 100 + h_q + 7))
+    with mla_cute.use_schedule(_schedules()["seesaw_multicast"]):
         run_and_check(case, s_q, causal, reuse=2)
 
 
