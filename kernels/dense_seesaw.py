@@ -295,25 +295,7 @@ class DenseSeesawKernel(SeesawConsumer):
             first, last = work.blocks(req, seqlen)
             if cutlass.const_expr(self.causal):
                 last = cutlass.min(last, (seqlen - common_shift + BLOCK_N - 1) // BLOCK_N)
-            n = last - first
-            if cutlass.const_expr(self.tile_multicast):
-                # Each buffer half is refilled by one warp throughout (its phase of the peer's
-                # hand-back lives there): V_L by warpgroup 0's first warp, V_R by warpgroup 1's.
-                if tidx % 128 < 32:
-                    if cutlass.const_expr(wg == 0):
-                        self.load_q(loader, req)
-                    subs = V_L_SUBS if wg == 0 else V_R_SUBS
-                    if n >= 1:
-                        self.load_kv(loader, self.tile_location(loader, req, first), 0, subs)
-                    if n >= 2:
-                        self.load_kv(loader, self.tile_location(loader, req, first + 1), 1, subs)
-            elif tidx < 32:
-                self.load_q(loader, req)
-                if n >= 1:
-                    self.load_kv(loader, self.tile_location(loader, req, first), 0, V_L_SUBS + V_R_SUBS)
-                if n >= 2:
-                    loc = self.tile_location(loader, req, first + 1)
-                    self.load_kv(loader, loc, 1, V_R_SUBS + V_L_SUBS)
+            self.load_request_start(loader, req, first, last - first, tidx, wg)
             self.start_request(v, rows, sM, sScale, loader, q_phase, tidx)
             # No dynamic branch may enclose the pair loops: a loop inside one would rebind the
             # records it carries in a region their later users cannot see.
@@ -326,6 +308,28 @@ class DenseSeesawKernel(SeesawConsumer):
             tile = OutputTile(kv_head, m_tile * BLOCK_M, self.rows - m_tile * BLOCK_M)
             self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, max2=max2, splits=splits,
                           staged=staged)
+
+    @cute.jit
+    def load_request_start(self, loader, req, first, n, tidx, wg: cutlass.Constexpr):
+        """A request's Q and first tile pair (of its ``n`` tiles).  With tile multicast each buffer half is
+        loaded, as it is refilled later, by one warp (its phase of the peer's hand-back lives there):
+        V_L by warpgroup 0's first warp, V_R and the RoPE columns by warpgroup 1's."""
+        if cutlass.const_expr(self.tile_multicast):
+            if tidx % 128 < 32:
+                if cutlass.const_expr(wg == 0):
+                    self.load_q(loader, req)
+                subs = V_L_SUBS if wg == 0 else V_R_SUBS
+                if n >= 1:
+                    self.load_kv(loader, self.tile_location(loader, req, first), 0, subs)
+                if n >= 2:
+                    self.load_kv(loader, self.tile_location(loader, req, first + 1), 1, subs)
+        elif tidx < 32:
+            self.load_q(loader, req)
+            if n >= 1:
+                self.load_kv(loader, self.tile_location(loader, req, first), 0, V_L_SUBS + V_R_SUBS)
+            if n >= 2:
+                loc = self.tile_location(loader, req, first + 1)
+                self.load_kv(loader, loc, 1, V_R_SUBS + V_L_SUBS)
 
     @cute.jit
     def start_request(self, v, rows, sM, sScale, loader, q_phase, tidx):
@@ -580,8 +584,9 @@ class DenseSeesawKernel(SeesawConsumer):
         """``load_kv`` in a 2-CTA cluster: this CTA loads its half of each sub-tile's rows into both CTAs.
         Its barriers expect the whole sub-tile first (the peer's half may land any time after the
         hand-back); then it hands its copy of the buffer half back to the peer and waits for the peer's."""
+        assert subtiles in (V_L_SUBS, V_R_SUBS), "a multicast load is one buffer half (one hand-back barrier)"
         tile_in_page, phys = loc
-        half = 0 if subtiles[0] == V_L_SUBS[0] else 1
+        half = 0 if subtiles == V_L_SUBS else 1
         free = ld.free_bar + (buf * 2 + half)
         for j in subtiles:
             with cute.arch.elect_one():
