@@ -110,6 +110,17 @@ def test_dense_tile_multicast_loads_each_sub_tile_once_for_the_pair(evict_first,
     assert spills and all(sp == (0, 0, 0) for sp in spills), f"stack frame / spills: {spills}"
 
 
+@pytest.mark.parametrize("s_q,h_q,causal", [(1, 64, False), (2, 64, True), (3, 64, False)])
+def test_dense_tile_multicast_refuses_m_tiles_it_cannot_pair(s_q, h_q, causal):
+    """Forced on where the M tiles cannot be paired (one M tile; causal rows of different positions; an
+    odd count), the kernel is refused before it is built, naming the field."""
+    from mla_cute.kernels.build import compile_dense_decode
+    from mla_cute.schedules import DenseDecodeSchedule
+
+    with pytest.raises(ValueError, match="tile_multicast"):
+        compile_dense_decode(torch.bfloat16, s_q, h_q, 1, causal, 64, DenseDecodeSchedule(tile_multicast=True))
+
+
 def test_combine_and_scheduler_compile_without_spills(capfd):
     from mla_cute.kernels.build import compile_combine, compile_scheduler
 
