@@ -143,11 +143,9 @@ class DenseSeesawKernel(SeesawConsumer):
             (None, None, 0),
         )
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q, sQ_layout, (BLOCK_M, D_QK))
-        if cutlass.const_expr(self.tile_multicast):
-            tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SMulticastOp(), k, sub_layout, (BLOCK_N, SUB), num_multicast=2)
-        else:
-            tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k, sub_layout, (BLOCK_N, SUB))
+        load_k = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.tile_multicast else cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load_k, k, sub_layout, (BLOCK_N, SUB),
+                                                        num_multicast=2 if self.tile_multicast else 1)
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.sub_bytes = cute.size_in_bytes(self.dtype, sub_layout)
 
@@ -639,17 +637,15 @@ class TileLoader:
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
-        if cutlass.const_expr(multicast):
-            rank = cute.arch.block_idx_in_cluster()
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_k, rank, cute.make_layout(2), cute.group_modes(sK_sub, 0, 2), cute.group_modes(gK, 0, 2)
-            )
-            free_phase = cute.make_rmem_tensor((2,), cutlass.Int32)
-            free_phase.fill(0)
-            return TileLoader(tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, q_bar, kv_bar,
-                              block_table, m_tile, kv_head, free_bar, 1 - rank, free_phase)
+        # With multicast each CTA of the pair copies its half of every sub-tile (its rank's rows).
+        rank = cute.arch.block_idx_in_cluster() if multicast else 0
         tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK_sub, 0, 2), cute.group_modes(gK, 0, 2)
+            tma_atom_k, rank, cute.make_layout(2 if multicast else 1), cute.group_modes(sK_sub, 0, 2),
+            cute.group_modes(gK, 0, 2)
         )
-        return TileLoader(tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, q_bar, kv_bar,
-                          block_table, m_tile, kv_head)
+        loader = TileLoader(tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, q_bar, kv_bar, block_table, m_tile, kv_head)
+        if cutlass.const_expr(multicast):
+            loader.free_bar, loader.peer = free_bar, 1 - rank
+            loader.free_phase = cute.make_rmem_tensor((2,), cutlass.Int32)
+            loader.free_phase.fill(0)
+        return loader
