@@ -115,8 +115,8 @@ class DenseSeesawKernel(SeesawConsumer):
             raise ValueError("DenseSeesawKernel needs a schedule with seesaw=True")
         set_dense_facts(self, dtype, rows, group, s_q, causal, page_size)
         self.kv_evict_first = schedule.kv_evict_first
-        self.cross_term_first = schedule.cross_term_first_for(self.m_tiles)
         self.tile_multicast = schedule.tile_multicast_for(self.m_tiles, group, causal)
+        self.cross_term_first = schedule.cross_term_first_for(self.m_tiles, self.tile_multicast)
 
     # ------------------------------------------------------------------ host side
     @cute.jit

@@ -33,10 +33,11 @@ class DenseDecodeSchedule:
     num_sm_parts: CTAs per (KV head, M tile); None = FlashMLA's rule from the SM count.
     cross_term_first: seesaw kernel only: warpgroup 1 issues P0 V0_R (the cross term, P0 at warpgroup 0's
         row max) before its own softmax, and P1 V1_R right behind it; a buffer's right half refills a
-        step earlier.  Measured on the H200 (docs/performance.md, entry 22): 2-3.5% faster on the
-        memory-bound rows (one M tile a KV head); with two M tiles (h_q = 128) 5% faster at b = 1,
-        128K, but 1-3% slower on the long and the s_q = 2 rows.  None: on exactly when the kernel has
-        one M tile a KV head.
+        step earlier.  Measured on the H200 (docs/performance.md, entries 22 and 25): 2-3.5% faster on
+        the memory-bound rows (one M tile a KV head); with tile multicast (h_q = 128) 4-7% faster on
+        every row measured; with two M tiles and no multicast 5% faster at b = 1, 128K but 1-3% slower
+        on the long and the s_q = 2 rows.  None: on exactly when the kernel has one M tile a KV head
+        or pairs its M tiles with tile multicast.
     tile_multicast: seesaw kernel only: the two M tiles of a pair (rows 0-63 and 64-127 of a KV head's
         128, which see the same tiles) run as a 2-CTA cluster, and each 64 x 64 sub-tile is loaded
         once for both, half by each CTA, with TMA multicast: half the L2-to-SM traffic, but a buffer
@@ -64,9 +65,12 @@ class DenseDecodeSchedule:
         return (self.kv_stages, self.qk_prefetch, self.kv_evict_first, self.seesaw, self.combine_chunked_batch,
                 self.cross_term_first, self.tile_multicast)
 
-    def cross_term_first_for(self, m_tiles: int) -> bool:
-        """``cross_term_first`` for a kernel with ``m_tiles`` 64-row M tiles a KV head."""
-        return m_tiles == 1 if self.cross_term_first is None else self.cross_term_first
+    def cross_term_first_for(self, m_tiles: int, multicast: bool) -> bool:
+        """``cross_term_first`` for a kernel with ``m_tiles`` 64-row M tiles a KV head, with tile multicast
+        (``tile_multicast_for``) or without."""
+        if self.cross_term_first is None:
+            return m_tiles == 1 or multicast
+        return self.cross_term_first
 
     def tile_multicast_for(self, m_tiles: int, group: int, causal: bool) -> bool:
         """``tile_multicast`` for a kernel with ``m_tiles`` M tiles and ``group`` query heads a KV head;

@@ -56,11 +56,13 @@ def test_dense_decode_uses_wgmma_tma_mbarriers_without_spills(dtype, s_q, h_q, h
     _check_register_split(ptx, regs, inc_warpgroups=2)
 
 
-@pytest.mark.parametrize("s_q,h_q,causal,cross_first", [(2, 128, True, False), (1, 64, False, True)])
+@pytest.mark.parametrize("s_q,h_q,causal,cross_first", [(2, 128, True, True), (1, 64, False, True),
+                                                         (2, 64, True, False)])
 def test_dense_seesaw_splits_tiles_into_sub_tile_copies_without_spills(s_q, h_q, causal, cross_first, capfd):
     """The seesaw kernel: 9 TMA sub-tile copies per tile with their own barriers, S = Q K^T partly with
-    Q's RoPE part from registers, P V from registers and from shared memory, no WGMMA serialization; in
-    FlashMLA's step order with two M tiles, the cross term first with one."""
+    Q's RoPE part from registers, P V from registers and from shared memory, no WGMMA serialization; the
+    cross term first with one M tile or with tile multicast (h_q = 128), FlashMLA's step order with two
+    unpaired M tiles."""
     from mla_cute.kernels.build import compile_dense_decode
     from mla_cute.kernels.seesaw import SeesawBarrier
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE

@@ -309,12 +309,14 @@ def test_dense_schedule_rules():
         DenseDecodeSchedule(seesaw=False, kv_stages=3).validate()
     with pytest.raises(ValueError, match="seesaw must be a bool"):
         DenseDecodeSchedule(seesaw=1).validate()
-    # The cross-term-first order: by M tile count unless set; a seesaw option.
-    assert DEFAULT_DENSE_SCHEDULE.cross_term_first_for(1) and not DEFAULT_DENSE_SCHEDULE.cross_term_first_for(2)
+    # The cross-term-first order: with one M tile or tile multicast unless set; a seesaw option.
+    assert DEFAULT_DENSE_SCHEDULE.cross_term_first_for(1, False) and DEFAULT_DENSE_SCHEDULE.cross_term_first_for(2, True)
+    assert not DEFAULT_DENSE_SCHEDULE.cross_term_first_for(2, False)
     for forced in (True, False):
         sched = DenseDecodeSchedule(cross_term_first=forced)
         sched.validate()
-        assert sched.cross_term_first_for(1) is forced and sched.cross_term_first_for(4) is forced
+        for m_tiles, multicast in ((1, False), (2, True), (4, False)):
+            assert sched.cross_term_first_for(m_tiles, multicast) is forced
         assert sched.kernel_key() != DEFAULT_DENSE_SCHEDULE.kernel_key()
     with pytest.raises(ValueError, match="cross_term_first must be a bool"):
         DenseDecodeSchedule(cross_term_first=1).validate()
