@@ -44,9 +44,7 @@ def workload(args):
 
     sys.path.insert(0, os.path.dirname(__file__))
     import mla_cute
-    from bench_decode import make_inputs
-    from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE,
-                                    SERIAL_DENSE_SCHEDULE)
+    from bench_decode import make_inputs, schedule_named
 
     if args.sparse:
         from bench_sparse import make_inputs as make_sparse, schedules
@@ -58,8 +56,7 @@ def workload(args):
                                             schedule=schedules()[args.schedule])
         torch.cuda.synchronize()
         return
-    sched = {"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE, "prefetch": PREFETCH_DENSE_SCHEDULE,
-             "seesaw": SEESAW_DENSE_SCHEDULE}[args.schedule]
+    sched = schedule_named(args.schedule)
     q, k_cache, block_table, seqlens = make_inputs(args.b, args.s_q, args.h_q, args.s_k)
     meta, _ = mla_cute.get_mla_metadata()
     for _ in range(3):
@@ -75,7 +72,9 @@ def main():
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--s-k", type=int, default=4096)
     ap.add_argument("--schedule", default="default",
-                    help="dense: default, serial, prefetch or seesaw; sparse: a name of bench_sparse.schedules()")
+                    help="dense: default, serial, prefetch or seesaw, optionally with fields changed "
+                    "('default:cross_term_first=False', as bench_decode.py takes); sparse: a name of "
+                    "bench_sparse.schedules()")
     ap.add_argument("--kernel", choices=["split", "combine"], default="split")
     ap.add_argument("--sparse", action="store_true", help="profile the sparse FP8 decode kernel")
     ap.add_argument("--topk", type=int, default=2048)
@@ -112,7 +111,8 @@ def main():
         print(f"  {r['Metric Name']:75s} {r['Metric Value']:>16s} {r['Metric Unit']}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"ncu_{'sparse_' if args.sparse else ''}{args.schedule}_{args.kernel}_b{args.b}_sq{args.s_q}_h{args.h_q}_sk{args.s_k}.csv"),
+        name = args.schedule.replace(":", "_").replace("=", "-").replace(",", "_")
+        with open(os.path.join(args.out, f"ncu_{'sparse_' if args.sparse else ''}{name}_{args.kernel}_b{args.b}_sq{args.s_q}_h{args.h_q}_sk{args.s_k}.csv"),
                   "w") as f:
             f.write(text[start:])
 
