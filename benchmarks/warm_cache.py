@@ -69,6 +69,8 @@ def configs(subset: str):
     for name in ("serial", "seesaw", "seesaw_cross_first", "seesaw_cross_last", "seesaw_no_multicast"):
         for dtype, s_q, h_q, h_kv, causal in grid.SCHEDULE_CASES:
             seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, named[name]))
+    for s_q, causal in ((1, False), (2, True)):  # two multicast pairs a KV head, the default schedule
+        seen.add((torch.bfloat16, s_q, 256, 1, causal, 64, DEFAULT_DENSE_SCHEDULE))
     for dtype, s_q, h_q, h_kv, causal in grid.MULTICAST_CASES:
         seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, named["seesaw_multicast"]))
     for b, s_q, h_q, s_k in (CONFIGS if subset == "all" else []):

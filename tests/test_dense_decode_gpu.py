@@ -108,6 +108,15 @@ def test_tile_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal):
         run_and_check(case, s_q, causal, reuse=2)
 
 
+@pytest.mark.parametrize("s_q,causal", [(1, False), (2, True)])
+def test_two_multicast_pairs_per_kv_head(s_q, causal):
+    """256 query heads on one KV head: the default pairs M tiles 0-1 and 2-3 (and, at s_q = 2, 4-5 and 6-7)
+    into 2-CTA clusters, each pair with its own tiles and hand-backs, the cross term first."""
+    case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, 256, 1, lengths=PAIR_LENGTHS,
+                           gen=torch.Generator().manual_seed(s_q * 100 + 256))
+    run_and_check(case, s_q, causal, reuse=2)
+
+
 def _grid():
     full = os.environ.get("MLA_CUTE_FULL_GRID") == "1"
     bs = [1, 2, 6, 64] if full else [2, 64]
