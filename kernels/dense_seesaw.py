@@ -16,8 +16,8 @@ order, kept with two or more M tiles a KV head that tile multicast does not pair
 KV head (the memory-bound rows) and with tile multicast (h_q = 128: a refill waits for both CTAs to
 free a buffer half) the kernel takes the cross term first (schedule field ``cross_term_first``): P0
 leaves at m0, WG1 issues P0 V0_R before its softmax and P1 V1_R right behind it, and O_L / O_R move to
-m1 only where the max moved, so the right half of K0 refills a step earlier.  There is no producer warpgroup: the warpgroup that frees a
-part of a buffer issues the TMA copy that refills it.
+m1 only where the max moved, so the right half of K0 refills a step earlier.  There is no producer
+warpgroup: the warpgroup that frees a part of a buffer issues the TMA copy that refills it.
 Tile multicast (schedule field ``tile_multicast``; by default with 128 query heads a KV head): the two M
 tiles of a pair (grid y 2i and 2i + 1, which see the same tiles) run as a 2-CTA cluster, and each CTA
 loads 32 of each sub-tile's 64 rows into both CTAs (TMA multicast), so each tile crosses from L2 once

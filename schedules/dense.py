@@ -43,8 +43,10 @@ class DenseDecodeSchedule:
         once for both, half by each CTA, with TMA multicast: half the L2-to-SM traffic, but a buffer
         half refills only once both CTAs freed it.  Needs an even number of M tiles and, when causal,
         a multiple of 128 query heads a KV head (the pair's rows end at the same key).  Measured on the
-        H200 (docs/performance.md, entry 24): 0.5-4% faster on the h_q = 128 rows but b = 1, 128K, 2%
-        slower there.  None: on exactly when a KV head has a multiple of 128 query heads.
+        H200 (docs/performance.md, entries 24 and 25): in FlashMLA's step order 0.5-4% faster on the
+        h_q = 128 rows but 2% slower at b = 1, 128K; with the cross term first (its default order) 0-5%
+        faster, even at b = 1, 128K, 3% slower at b = 1, 64K.  None: on exactly when a KV head has a
+        multiple of 128 query heads.
     combine_chunked_batch: the largest batch whose combine splits each row into 4 column chunks,
         one CTA each (0: never).  A small batch has few rows and many partials a row; chunks
         spread them over more SMs (b = 1, 128K: 94 -> 85 us on the H200).
