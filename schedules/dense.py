@@ -35,7 +35,7 @@ class DenseDecodeSchedule:
         row max) before its own softmax, and P1 V1_R right behind it; a buffer's right half refills a
         step earlier.  Measured on the H200 (docs/performance.md, entries 22 and 25): 2-3.5% faster on
         the memory-bound rows (one M tile a KV head); with tile multicast (h_q = 128) 4-7% faster on
-        every row measured; with two M tiles and no multicast 5% faster at b = 1, 128K but 1-3% slower
+        every row measured; with two M tiles and no multicast 4-5% faster at b = 1, 128K but 1-4% slower
         on the long and the s_q = 2 rows.  None: on exactly when the kernel has one M tile a KV head
         or pairs its M tiles with tile multicast.
     tile_multicast: seesaw kernel only: the two M tiles of a pair (rows 0-63 and 64-127 of a KV head's
