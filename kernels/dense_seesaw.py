@@ -566,17 +566,10 @@ class DenseSeesawKernel(SeesawConsumer):
         if cutlass.const_expr(self.tile_multicast):
             self.load_kv_multicast(ld, loc, buf, subtiles)
         else:
-            tile_in_page, phys = loc
             for j in subtiles:
-                bar = ld.kv_bar + (buf * NUM_SUB + j)
                 with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, self.sub_bytes)
-                src = ld.tKgK[None, tile_in_page, j, ld.kv_head, phys]
-                dst = ld.tKsK[None, 0, j, buf]
-                if cutlass.const_expr(self.kv_evict_first):
-                    cute.copy(ld.tma_atom_k, src, dst, tma_bar_ptr=bar, cache_policy=cutlass.Int64(L2_EVICT_FIRST))
-                else:
-                    cute.copy(ld.tma_atom_k, src, dst, tma_bar_ptr=bar)
+                    cute.arch.mbarrier_arrive_and_expect_tx(ld.kv_bar + (buf * NUM_SUB + j), self.sub_bytes)
+                self.copy_sub_tile(ld, loc, buf, j)
 
     @cute.jit
     def load_kv_multicast(self, ld, loc, buf: cutlass.Constexpr, subtiles: cutlass.Constexpr):
@@ -584,7 +577,6 @@ class DenseSeesawKernel(SeesawConsumer):
         Its barriers expect the whole sub-tile first (the peer's half may land any time after the
         hand-back); then it hands its copy of the buffer half back to the peer and waits for the peer's."""
         assert subtiles in (V_L_SUBS, V_R_SUBS), "a multicast load is one buffer half (one hand-back barrier)"
-        tile_in_page, phys = loc
         half = 0 if subtiles == V_L_SUBS else 1
         free = ld.free_bar + (buf * 2 + half)
         for j in subtiles:
@@ -595,16 +587,22 @@ class DenseSeesawKernel(SeesawConsumer):
         cute.arch.mbarrier_wait(free, ld.free_phase[buf])
         ld.free_phase[buf] = ld.free_phase[buf] ^ 1
         for j in subtiles:
-            src = ld.tKgK[None, tile_in_page, j, ld.kv_head, phys]
-            dst = ld.tKsK[None, 0, j, buf]
-            bar = ld.kv_bar + (buf * NUM_SUB + j)
-            if cutlass.const_expr(self.kv_evict_first):
-                cute.copy(ld.tma_atom_k, src, dst, tma_bar_ptr=bar, mcast_mask=cutlass.Int16(3),
-                          cache_policy=cutlass.Int64(L2_EVICT_FIRST))
-            else:
-                cute.copy(ld.tma_atom_k, src, dst, tma_bar_ptr=bar, mcast_mask=cutlass.Int16(3))
+            self.copy_sub_tile(ld, loc, buf, j)
 
-    # ------------------------------------------------------------- the pieces
+    @cute.jit
+    def copy_sub_tile(self, ld, loc, buf: cutlass.Constexpr, j: cutlass.Constexpr):
+        """The TMA copy of sub-tile ``j`` of the tile at ``loc`` into buffer ``buf``, completing the
+        sub-tile's barrier (with tile multicast: this CTA's rows, into both CTAs); evict-first when the
+        schedule asks."""
+        tile_in_page, phys = loc
+        options = {}
+        if cutlass.const_expr(self.tile_multicast):
+            options["mcast_mask"] = cutlass.Int16(3)
+        if cutlass.const_expr(self.kv_evict_first):
+            options["cache_policy"] = cutlass.Int64(L2_EVICT_FIRST)
+        cute.copy(ld.tma_atom_k, ld.tKgK[None, tile_in_page, j, ld.kv_head, phys], ld.tKsK[None, 0, j, buf],
+                  tma_bar_ptr=ld.kv_bar + (buf * NUM_SUB + j), **options)
+
 
 # ---------------------------------------------------------------- device-side records
 
