@@ -66,13 +66,14 @@ def configs(subset: str):
         seen.add((torch.bfloat16, 3, 5, 1, True, 64, sched))
         seen.add((torch.bfloat16, 1, 128, 1, False, 64, sched))
     named = grid._schedules()  # the tile-position tests: every schedule they name, and tile multicast forced on
-    for name in ("serial", "seesaw", "seesaw_cross_first", "seesaw_cross_last", "seesaw_no_multicast"):
+    for name in grid.TILE_POSITION_SCHEDULES:
         for dtype, s_q, h_q, h_kv, causal in grid.SCHEDULE_CASES:
             seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, named[name]))
     for s_q, causal in ((1, False), (2, True)):  # two multicast pairs a KV head, the default schedule
         seen.add((torch.bfloat16, s_q, 256, 1, causal, 64, DEFAULT_DENSE_SCHEDULE))
     for dtype, s_q, h_q, h_kv, causal in grid.MULTICAST_CASES:
-        seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, named["seesaw_multicast"]))
+        for name in ("seesaw_multicast", "seesaw_loader_multicast"):
+            seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, named[name]))
     for b, s_q, h_q, s_k in (CONFIGS if subset == "all" else []):
         for sched in (DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE):
             seen.add((torch.bfloat16, s_q, h_q, 1, s_q > 1, 64, sched))

@@ -106,8 +106,12 @@ L2_EVICT_FIRST = 0x12F0000000000000
 class DenseSeesawKernel(SeesawConsumer):
     """Static configuration of one compiled seesaw dense decode kernel."""
 
-    num_threads = 256
     kv_stages = 2  # the tile pair
+    # With the load warpgroup (384 threads, one CTA per SM): setmaxnreg moves registers within the CTA's
+    # 384 x 168, so 2 x 128 x 240 + 128 x 24 = 64 512.
+    launch_regs = 168
+    consumer_regs = 240
+    loader_regs = 24
 
     def __init__(self, dtype, rows: int, group: int, s_q: int, causal: bool, page_size: int,
                  schedule: DenseDecodeSchedule):
@@ -118,6 +122,8 @@ class DenseSeesawKernel(SeesawConsumer):
         self.kv_evict_first = schedule.kv_evict_first
         self.tile_multicast = schedule.tile_multicast_for(self.m_tiles, group, causal)
         self.cross_term_first = schedule.cross_term_first_for(self.m_tiles, self.tile_multicast)
+        self.load_warpgroup = schedule.load_warpgroup
+        self.num_threads = 384 if self.load_warpgroup else 256
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -154,8 +160,10 @@ class DenseSeesawKernel(SeesawConsumer):
         class SharedStorage:
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * NUM_SUB]
-            if cutlass.const_expr(self.tile_multicast):
-                free_mbar: cute.struct.MemRange[cutlass.Int64, 4]  # [buffer][half]: the peer freed it
+            if cutlass.const_expr(self.tile_multicast or self.load_warpgroup):
+                free_mbar: cute.struct.MemRange[cutlass.Int64, 4]  # [buffer][half]: freed (by the peer / both)
+            if cutlass.const_expr(self.load_warpgroup):
+                q_free_mbar: cute.struct.MemRange[cutlass.Int64, 1]  # Q's bytes free for the next request
             row_max: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]  # row_exchange's pair; [:, 0] is sM
             row_sum: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             scale: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
@@ -215,9 +223,13 @@ class DenseSeesawKernel(SeesawConsumer):
             cute.arch.mbarrier_init(q_bar, 1)
             for j in cutlass.range_constexpr(2 * NUM_SUB):
                 cute.arch.mbarrier_init(kv_bar + j, 1)
-            if cutlass.const_expr(self.tile_multicast):
+            if cutlass.const_expr(self.tile_multicast or self.load_warpgroup):
+                # Classic multicast: the peer's hand-back; the loader: this CTA's consumers and the peer's.
+                frees = 2 if self.tile_multicast and self.load_warpgroup else 1
                 for j in cutlass.range_constexpr(4):
-                    cute.arch.mbarrier_init(storage.free_mbar.data_ptr() + j, 1)
+                    cute.arch.mbarrier_init(storage.free_mbar.data_ptr() + j, frees)
+            if cutlass.const_expr(self.load_warpgroup):
+                cute.arch.mbarrier_init(storage.q_free_mbar.data_ptr(), 1)
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.tile_multicast):
             # The peer must see initialised barriers before it arrives or multicasts into them.
@@ -228,21 +240,36 @@ class DenseSeesawKernel(SeesawConsumer):
 
         # The warpgroup is a compile-time fact of each branch, so each gets its own code.  Every
         # record is built inside its branch: a branch may rebind what it uses.
-        if wg == 0:
-            self.run_warpgroup(
-                0, storage, tma_atom_q, tma_q, tma_atom_k, tma_k, mBlockTable, mSeqlens, mSched, mNumSplits,
-                mOut, mLse, mOAccum, mLseAccum, scale_log2, sQ_layout, sK_layout, sV_layout, sP_layout,
-            )
+        consumer_args = (storage, tma_atom_q, tma_q, tma_atom_k, tma_k, mBlockTable, mSeqlens, mSched, mNumSplits,
+                         mOut, mLse, mOAccum, mLseAccum, scale_log2, sQ_layout, sK_layout, sV_layout, sP_layout)
+        if cutlass.const_expr(self.load_warpgroup):
+            if wg < 2:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.run_consumers(wg, *consumer_args)
+            else:
+                cute.arch.setmaxregister_decrease(self.loader_regs)
+                if tidx // 32 == 8:
+                    part, m_tile, kv_head = cute.arch.block_idx()
+                    sQ, sK, _, _ = operand_tiles(storage, sQ_layout, sK_layout, sV_layout, sP_layout)
+                    loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar,
+                                             mBlockTable, m_tile, kv_head, self.tile_multicast,
+                                             storage.free_mbar.data_ptr(), storage.q_free_mbar.data_ptr())
+                    self.produce(loader, mSeqlens, WorkSlice.of(mSched, part), m_tile)
         else:
-            self.run_warpgroup(
-                1, storage, tma_atom_q, tma_q, tma_atom_k, tma_k, mBlockTable, mSeqlens, mSched, mNumSplits,
-                mOut, mLse, mOAccum, mLseAccum, scale_log2, sQ_layout, sK_layout, sV_layout, sP_layout,
-            )
+            self.run_consumers(wg, *consumer_args)
         if cutlass.const_expr(self.tile_multicast):
             # Every multicast into this CTA and every remote arrival on it was waited for, but neither CTA
             # leaves before the other is done with the cluster.
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def run_consumers(self, wg, *args):
+        """Warpgroup 0's or 1's code: the warpgroup is a compile-time fact of each branch."""
+        if wg == 0:
+            self.run_warpgroup(0, *args)
+        else:
+            self.run_warpgroup(1, *args)
 
     @cute.jit
     def run_warpgroup(
@@ -259,7 +286,8 @@ class DenseSeesawKernel(SeesawConsumer):
         kv_bar = storage.kv_mbar.data_ptr()
         loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar,
                                  mBlockTable, m_tile, kv_head, self.tile_multicast,
-                                 storage.free_mbar.data_ptr() if self.tile_multicast else None)
+                                 storage.free_mbar.data_ptr() if self.tile_multicast or self.load_warpgroup else None,
+                                 storage.q_free_mbar.data_ptr() if self.load_warpgroup else None)
         outs = SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum)
         # Final rows leave through Q's bytes (dead after the request's last pair; the next Q is loaded
         # by warp 0, whose thread 0 issues the copies and waits for their reads first).
@@ -281,20 +309,15 @@ class DenseSeesawKernel(SeesawConsumer):
         q_phase = cute.make_rmem_tensor((1,), cutlass.Int32)
         q_phase[0] = 0
         v.kphase[0] = 0
-        # Causal: the tile's last row sees the most keys; blocks past them are skipped.
-        common_shift = 0
-        if cutlass.const_expr(self.causal):
-            last_row = cutlass.min(m_tile * BLOCK_M + BLOCK_M - 1, self.rows - 1)
-            common_shift = self.s_q - 1 - last_row // self.group
+        common_shift = self.common_shift(m_tile)
         lens = lengths_ahead(mSeqlens, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             # The next request's length and this one's split counts load now, under its tiles.
             seqlen = advance_lengths(lens, mSeqlens, work, req)
             splits = load_splits(outs, req)
-            first, last = work.blocks(req, seqlen)
-            if cutlass.const_expr(self.causal):
-                last = cutlass.min(last, (seqlen - common_shift + BLOCK_N - 1) // BLOCK_N)
-            self.load_request_start(loader, req, first, last - first, tidx, wg)
+            first, last = self.request_tiles(work, req, seqlen, common_shift)
+            if cutlass.const_expr(not self.load_warpgroup):
+                self.load_request_start(loader, req, first, last - first, tidx, wg)
             self.start_request(v, rows, sM, sScale, loader, q_phase, tidx)
             # No dynamic branch may enclose the pair loops: a loop inside one would rebind the
             # records it carries in a region their later users cannot see.
@@ -307,6 +330,29 @@ class DenseSeesawKernel(SeesawConsumer):
             tile = OutputTile(kv_head, m_tile * BLOCK_M, self.rows - m_tile * BLOCK_M)
             self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, max2=max2, splits=splits,
                           staged=staged)
+            if cutlass.const_expr(self.load_warpgroup and wg == 0):
+                # Past the epilogue's barrier both warpgroups are done with sQ (and sP1 in its bytes), and
+                # thread 0 has waited for the staged rows' copies to read it: the next Q may land.
+                if tidx == 0:
+                    cute.arch.mbarrier_arrive(loader.q_free_bar)
+
+    @cute.jit
+    def common_shift(self, m_tile):
+        """Causal: how many keys fewer than the request's length the M tile's last row sees (the tile's
+        last row sees the most keys; blocks past them are skipped)."""
+        shift = 0
+        if cutlass.const_expr(self.causal):
+            last_row = cutlass.min(m_tile * BLOCK_M + BLOCK_M - 1, self.rows - 1)
+            shift = self.s_q - 1 - last_row // self.group
+        return shift
+
+    @cute.jit
+    def request_tiles(self, work, req, seqlen, common_shift):
+        """KV tiles [first, last) of request ``req`` this CTA computes (the consumers and the loader alike)."""
+        first, last = work.blocks(req, seqlen)
+        if cutlass.const_expr(self.causal):
+            last = cutlass.min(last, (seqlen - common_shift + BLOCK_N - 1) // BLOCK_N)
+        return first, last
 
     @cute.jit
     def load_request_start(self, loader, req, first, n, tidx, wg: cutlass.Constexpr):
@@ -385,7 +431,8 @@ class DenseSeesawKernel(SeesawConsumer):
     def wg0_pair(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
                  blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr):
         """Tiles blk (buffer 0) and blk + 1 (buffer 1), warpgroup 0's side; leaves S of blk + 2."""
-        if cutlass.const_expr(not blk0_last and not blk1_last):
+        loc3 = None
+        if cutlass.const_expr(not blk0_last and not blk1_last and not self.load_warpgroup):
             loc2 = self.tile_location(loader, req, blk + 2)
             loc3 = self.tile_location(loader, req, cutlass.min(blk + 3, last - 1))
         self.softmax_wg0(v, rows, sM, sScale, seqlen, blk, scale_log2, blk0_last or blk1_last)
@@ -394,9 +441,11 @@ class DenseSeesawKernel(SeesawConsumer):
             self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
         self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 0)
         warpgroup.wait_group(0)
+        if cutlass.const_expr(self.load_warpgroup):
+            self.hand_back(v, loader, 0, 0)
 
         bars.scale1.arrive_and_wait()
-        if cutlass.const_expr(not blk0_last and not blk1_last):
+        if cutlass.const_expr(not blk0_last and not blk1_last and not self.load_warpgroup):
             if v.tid < 32:
                 self.load_kv(loader, loc2, 0, V_L_SUBS)
         # P0 to the final max of the pair, for warpgroup 1's P0 V0_R.
@@ -418,14 +467,16 @@ class DenseSeesawKernel(SeesawConsumer):
         if cutlass.const_expr(not blk0_last and not blk1_last):
             self.wg0_next_s(v, loader, loc3, blk, last)
         warpgroup.wait_group(0)
+        if cutlass.const_expr(self.load_warpgroup and not blk0_last and blk1_last):
+            self.hand_back(v, loader, 1, 0)  # K1's left half, read last by P1 V1_L (no next S)
 
     @cute.jit
     def wg1_pair(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
                  blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr, blk2_last: cutlass.Constexpr):
         """Tiles blk and blk + 1, warpgroup 1's side; leaves S of blk + 3."""
-        if cutlass.const_expr(not blk0_last and not blk1_last):
+        if cutlass.const_expr(not blk0_last and not blk1_last and not self.load_warpgroup):
             loc2 = self.tile_location(loader, req, blk + 2)
-        if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
+        if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last and not self.load_warpgroup):
             loc3 = self.tile_location(loader, req, blk + 3)
         bars.scale0.arrive_and_wait()
         self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, blk1_last or blk2_last, blk0_last)
@@ -443,14 +494,22 @@ class DenseSeesawKernel(SeesawConsumer):
         self.issue_pv(v, v.mmas.pv_ss, v.tOrP0, v.tOrV_ss, 0)
         if cutlass.const_expr(not blk0_last):
             bars.p1_issued.arrive()
-        if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
-            warpgroup.wait_group(1)
-            if v.tid < 32:
-                self.load_kv(loader, loc3, 1, V_R_SUBS)
-        if cutlass.const_expr(not blk0_last and not blk1_last):
+        if cutlass.const_expr(self.load_warpgroup):
+            # P1 V1_R was committed before P0 V0_R: K1's right half frees first.
+            if cutlass.const_expr(not blk0_last):
+                warpgroup.wait_group(1)
+                self.hand_back(v, loader, 1, 1)
             warpgroup.wait_group(0)
-            if v.tid < 32:
-                self.load_kv(loader, loc2, 0, V_R_SUBS)
+            self.hand_back(v, loader, 0, 1)
+        else:
+            if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
+                warpgroup.wait_group(1)
+                if v.tid < 32:
+                    self.load_kv(loader, loc3, 1, V_R_SUBS)
+            if cutlass.const_expr(not blk0_last and not blk1_last):
+                warpgroup.wait_group(0)
+                if v.tid < 32:
+                    self.load_kv(loader, loc2, 0, V_R_SUBS)
         if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
             self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
         warpgroup.wait_group(0)
@@ -461,7 +520,8 @@ class DenseSeesawKernel(SeesawConsumer):
                              blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr):
         """``wg0_pair`` in the cross-term-first order: P0 leaves at m0, before P0 V0_L, and O_L moves to
         m1 before P1 V1_L."""
-        if cutlass.const_expr(not blk0_last and not blk1_last):
+        loc3 = None
+        if cutlass.const_expr(not blk0_last and not blk1_last and not self.load_warpgroup):
             loc2 = self.tile_location(loader, req, blk + 2)
             loc3 = self.tile_location(loader, req, cutlass.min(blk + 3, last - 1))
         self.softmax_wg0(v, rows, sM, sScale, seqlen, blk, scale_log2, blk0_last or blk1_last)
@@ -472,7 +532,9 @@ class DenseSeesawKernel(SeesawConsumer):
         bars.scale0.arrive()
         self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 0)
         warpgroup.wait_group(0)
-        if cutlass.const_expr(not blk0_last and not blk1_last):
+        if cutlass.const_expr(self.load_warpgroup):
+            self.hand_back(v, loader, 0, 0)
+        elif cutlass.const_expr(not blk0_last and not blk1_last):
             if v.tid < 32:
                 self.load_kv(loader, loc2, 0, V_L_SUBS)
 
@@ -491,15 +553,17 @@ class DenseSeesawKernel(SeesawConsumer):
         # Warpgroup 1's P0 V0_R has read sP0 before the next pair writes it.
         bars.p0_read.arrive_and_wait()
         warpgroup.wait_group(0)
+        if cutlass.const_expr(self.load_warpgroup and not blk0_last and blk1_last):
+            self.hand_back(v, loader, 1, 0)  # K1's left half, read last by P1 V1_L (no next S)
 
     @cute.jit
     def wg1_pair_cross_first(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
                              blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr, blk2_last: cutlass.Constexpr):
         """``wg1_pair`` in the cross-term-first order: O_R moves to m0 and P0 V0_R is issued before this
         warpgroup's softmax; P1 V1_R queues behind it."""
-        if cutlass.const_expr(not blk0_last and not blk1_last):
+        if cutlass.const_expr(not blk0_last and not blk1_last and not self.load_warpgroup):
             loc2 = self.tile_location(loader, req, blk + 2)
-        if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
+        if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last and not self.load_warpgroup):
             loc3 = self.tile_location(loader, req, blk + 3)
         bars.scale0.arrive_and_wait()
         rescale_o(v.acc_o, self.row_values(rows, sScale, 0))
@@ -525,15 +589,21 @@ class DenseSeesawKernel(SeesawConsumer):
         else:
             warpgroup.wait_group(0)
         bars.p0_read.arrive()
-        if cutlass.const_expr(not blk0_last and not blk1_last):
+        if cutlass.const_expr(self.load_warpgroup):
+            self.hand_back(v, loader, 0, 1)
+        elif cutlass.const_expr(not blk0_last and not blk1_last):
             if v.tid < 32:
                 self.load_kv(loader, loc2, 0, V_R_SUBS)
         if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
             warpgroup.wait_group(0)
-            if v.tid < 32:
+            if cutlass.const_expr(self.load_warpgroup):
+                self.hand_back(v, loader, 1, 1)
+            elif v.tid < 32:
                 self.load_kv(loader, loc3, 1, V_R_SUBS)
             self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
         warpgroup.wait_group(0)
+        if cutlass.const_expr(self.load_warpgroup and not blk0_last and (blk1_last or blk2_last)):
+            self.hand_back(v, loader, 1, 1)  # K1's right half, read last by P1 V1_R (no next S)
 
     @cute.jit
     def wg0_next_s(self, v, loader, loc3, blk, last):
@@ -541,9 +611,68 @@ class DenseSeesawKernel(SeesawConsumer):
         P1 V1_L has read K1's left half, refill it with tile blk + 3."""
         self.issue_qk(v, 0, V_L_SUBS, flip=False)
         warpgroup.wait_group(len(V_L_SUBS))
-        if v.tid < 32 and blk + 3 < last:
+        if cutlass.const_expr(self.load_warpgroup):
+            self.hand_back(v, loader, 1, 0)
+        elif v.tid < 32 and blk + 3 < last:
             self.load_kv(loader, loc3, 1, V_L_SUBS)
         self.issue_qk(v, 0, V_R_SUBS, accumulate=True)
+
+    @cute.jit
+    def hand_back(self, v, ld, buf: cutlass.Constexpr, half: cutlass.Constexpr):
+        """(load warpgroup) Half ``half`` of buffer ``buf`` (0: V_L, 1: V_R and the RoPE columns) is free in
+        this CTA: the calling warpgroup has waited for the last MMA that reads it.  With tile multicast the
+        peer's loader is told too, since its copies write into this CTA's buffer."""
+        if v.tid == 0:
+            cute.arch.mbarrier_arrive(ld.free_bar + (buf * 2 + half))
+            if cutlass.const_expr(self.tile_multicast):
+                cute.arch.mbarrier_arrive(ld.free_bar + (buf * 2 + half), ld.peer)
+
+    # ------------------------------------------------------------- the load warpgroup
+    @cute.jit
+    def produce(self, ld, mSeqlens, work, m_tile):
+        """The loader's warp: every request's Q and tiles in the consumers' order, each buffer half once
+        it is handed back.  A request's first two tiles go before its Q: their buffers free up during the
+        previous request's last pair, Q's bytes only after its epilogue."""
+        common_shift = self.common_shift(m_tile)
+        # Phases of the hand-back barriers [buffer][half] and of Q's: a fresh barrier passes parity 1.
+        free_phase = cute.make_rmem_tensor((4,), cutlass.Int32)
+        free_phase.fill(1)
+        q_phase = cute.make_rmem_tensor((1,), cutlass.Int32)
+        q_phase[0] = 1
+        for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
+            first, last = self.request_tiles(work, req, mSeqlens[req], common_shift)
+            if req == work.begin_req:
+                self.load_q_when_free(ld, req, q_phase)
+            if first < last:
+                self.load_tile(ld, req, first, 0, free_phase)
+            if first + 1 < last:
+                self.load_tile(ld, req, first + 1, 1, free_phase)
+            if req != work.begin_req:
+                self.load_q_when_free(ld, req, q_phase)
+            for blk in cutlass.range(first + 2, last, 2, unroll=1):
+                self.load_tile(ld, req, blk, 0, free_phase)
+                if blk + 1 < last:
+                    self.load_tile(ld, req, blk + 1, 1, free_phase)
+
+    @cute.jit
+    def load_q_when_free(self, ld, req, q_phase):
+        cute.arch.mbarrier_wait(ld.q_free_bar, q_phase[0])
+        q_phase[0] = q_phase[0] ^ 1
+        self.load_q(ld, req)
+
+    @cute.jit
+    def load_tile(self, ld, req, blk, buf: cutlass.Constexpr, free_phase):
+        """Tile ``blk`` into buffer ``buf``, half by half as each is handed back, in the order the consumers
+        free them (buffer 1's right half, read by the P V issued first, before its left half)."""
+        loc = self.tile_location(ld, req, blk)
+        for subtiles in ((V_L_SUBS, V_R_SUBS) if buf == 0 else (V_R_SUBS, V_L_SUBS)):
+            k = buf * 2 + (0 if subtiles == V_L_SUBS else 1)
+            cute.arch.mbarrier_wait(ld.free_bar + k, free_phase[k])
+            free_phase[k] = free_phase[k] ^ 1
+            for j in subtiles:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(ld.kv_bar + (buf * NUM_SUB + j), self.sub_bytes)
+                self.copy_sub_tile(ld, loc, buf, j)
 
     # ------------------------------------------------------------- TMA loads
     @cute.jit
@@ -622,13 +751,14 @@ class TileLoader:
     block_table: Any
     m_tile: Any
     kv_head: Any
-    free_bar: Any = None  # tile multicast: [buffer][half] mbarriers the peer arrives on
+    free_bar: Any = None  # [buffer][half] mbarriers: the peer's hand-back, or (load warpgroup) the consumers'
+    q_free_bar: Any = None  # load warpgroup: Q's bytes are free for the next request
     peer: Any = None  # tile multicast: the other CTA's rank in the cluster
     free_phase: Any = None  # tile multicast: this warp's phase of free_bar, a buffer each
 
     @staticmethod
     def make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar, block_table, m_tile, kv_head,
-             multicast: cutlass.Constexpr = False, free_bar=None):
+             multicast: cutlass.Constexpr = False, free_bar=None, q_free_bar=None):
         # ((64, 576), m_tiles, 1, h_kv, b) and ((64, 64), page/64, 9, h_kv, num_blocks)
         gQ = cute.flat_divide(tma_q, (BLOCK_M, D_QK))
         gK = cute.flat_divide(tma_k, (BLOCK_N, SUB))
@@ -642,9 +772,10 @@ class TileLoader:
             tma_atom_k, rank, cute.make_layout(2 if multicast else 1), cute.group_modes(sK_sub, 0, 2),
             cute.group_modes(gK, 0, 2)
         )
-        loader = TileLoader(tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, q_bar, kv_bar, block_table, m_tile, kv_head)
+        loader = TileLoader(tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, q_bar, kv_bar, block_table, m_tile, kv_head,
+                            free_bar, q_free_bar)
         if cutlass.const_expr(multicast):
-            loader.free_bar, loader.peer = free_bar, 1 - rank
+            loader.peer = 1 - rank
             loader.free_phase = cute.make_rmem_tensor((2,), cutlass.Int32)
             loader.free_phase.fill(0)
         return loader

@@ -47,6 +47,11 @@ class DenseDecodeSchedule:
         h_q = 128 rows but 2% slower at b = 1, 128K; with the cross term first (its default order) 0-5%
         faster, even at b = 1, 128K, 3% slower at b = 1, 64K.  None: on exactly when a KV head has a
         multiple of 128 query heads.
+    load_warpgroup: seesaw kernel only: a third warpgroup issues every TMA copy (Q, each buffer half's
+        refill, a request's first tiles, the block-table reads before them); the consumer warpgroups only
+        hand a freed buffer half back through an mbarrier, and the loads run ahead across request
+        boundaries.  The consumers get 240 registers and the loader 24 (setmaxnreg, 384 threads).
+        False: the warp that frees a buffer half issues its refill (FlashMLA's way).
     combine_chunked_batch: the largest batch whose combine splits each row into 4 column chunks,
         one CTA each (0: never).  A small batch has few rows and many partials a row; chunks
         spread them over more SMs (b = 1, 128K: 94 -> 85 us on the H200).
@@ -61,11 +66,12 @@ class DenseDecodeSchedule:
     combine_chunked_batch: int = 4
     cross_term_first: Optional[bool] = None
     tile_multicast: Optional[bool] = None
+    load_warpgroup: bool = False
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
         return (self.kv_stages, self.qk_prefetch, self.kv_evict_first, self.seesaw, self.combine_chunked_batch,
-                self.cross_term_first, self.tile_multicast)
+                self.cross_term_first, self.tile_multicast, self.load_warpgroup)
 
     def cross_term_first_for(self, m_tiles: int, multicast: bool) -> bool:
         """``cross_term_first`` for a kernel with ``m_tiles`` 64-row M tiles a KV head, with tile multicast
@@ -92,7 +98,8 @@ class DenseDecodeSchedule:
         kv = self.kv_stages * 64 * 576 * elem_bytes
         p = 64 * 64 * elem_bytes  # the seesaw's second P lives in Q's RoPE bytes
         if self.seesaw:
-            small = 3 * 2 * 64 * 4 + 8 * (2 + 2 * 9 + 4)  # the last 4: tile multicast's hand-back barriers
+            # Barriers: Q, the 18 sub-tiles, the 4 buffer halves' hand-backs, the loader's Q-free.
+            small = 3 * 2 * 64 * 4 + 8 * (2 + 2 * 9 + 4 + 1)
         else:
             small = 2 * 64 * 4 * 2 + 64 * 8 * (self.kv_stages + 2)
         return q + kv + p + small
@@ -119,6 +126,10 @@ class DenseDecodeSchedule:
             check_bool("tile_multicast", self.tile_multicast)
             if self.tile_multicast and not self.seesaw:
                 raise ValueError("tile_multicast is a seesaw-kernel option; set seesaw=True or leave it None")
+        check_bool("load_warpgroup", self.load_warpgroup)
+        if self.load_warpgroup and not self.seesaw:
+            raise ValueError("load_warpgroup is a seesaw-kernel option (the serial kernel always has its TMA "
+                             "producer warpgroup); set seesaw=True or leave it False")
         check_split_policy(self)
         check_combine(self)
         check_smem(self)

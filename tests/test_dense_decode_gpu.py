@@ -62,7 +62,11 @@ def _schedules():
             "seesaw_cross_last": dataclasses.replace(seesaw, cross_term_first=False),
             # tile multicast forced on (every pairable kernel) and off (the h_q = 128 kernels without it)
             "seesaw_multicast": dataclasses.replace(seesaw, tile_multicast=True),
-            "seesaw_no_multicast": dataclasses.replace(seesaw, tile_multicast=False)}
+            "seesaw_no_multicast": dataclasses.replace(seesaw, tile_multicast=False),
+            # the load warpgroup in both step orders, and with tile multicast forced on
+            "seesaw_loader": dataclasses.replace(seesaw, load_warpgroup=True),
+            "seesaw_loader_cross_last": dataclasses.replace(seesaw, load_warpgroup=True, cross_term_first=False),
+            "seesaw_loader_multicast": dataclasses.replace(seesaw, load_warpgroup=True, tile_multicast=True)}
 
 
 # Lengths that put the last tile of a request at every position of a tile pair (0-5 tiles,
@@ -77,7 +81,11 @@ SCHEDULE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["serial", "seesaw", "seesaw_cross_first", "seesaw_cross_last", "seesaw_no_multicast"])
+TILE_POSITION_SCHEDULES = ["serial", "seesaw", "seesaw_cross_first", "seesaw_cross_last", "seesaw_no_multicast",
+                           "seesaw_loader", "seesaw_loader_cross_last"]
+
+
+@pytest.mark.parametrize("name", TILE_POSITION_SCHEDULES)
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", SCHEDULE_CASES)
 def test_schedule_tile_positions(name, dtype, s_q, h_q, h_kv, causal):
     import mla_cute
@@ -98,13 +106,14 @@ MULTICAST_CASES = [
 ]
 
 
+@pytest.mark.parametrize("name", ["seesaw_multicast", "seesaw_loader_multicast"])
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", MULTICAST_CASES)
-def test_tile_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal):
+def test_tile_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal, name):
     import mla_cute
 
     case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, h_q, h_kv, lengths=PAIR_LENGTHS, dtype=dtype,
                            gen=torch.Generator().manual_seed(s_q * 100 + h_q + 7))
-    with mla_cute.use_schedule(_schedules()["seesaw_multicast"]):
+    with mla_cute.use_schedule(_schedules()[name]):
         run_and_check(case, s_q, causal, reuse=2)
 
 
