@@ -72,7 +72,7 @@ def configs(subset: str):
     for s_q, causal in ((1, False), (2, True)):  # two multicast pairs a KV head, the default schedule
         seen.add((torch.bfloat16, s_q, 256, 1, causal, 64, DEFAULT_DENSE_SCHEDULE))
     for dtype, s_q, h_q, h_kv, causal in grid.MULTICAST_CASES:
-        for name in ("seesaw_multicast", "seesaw_loader_multicast"):
+        for name in ("seesaw_multicast", "seesaw_no_loader_multicast"):
             seen.add((dtype, s_q, h_q, h_kv, causal and s_q > 1, 64, named[name]))
     for b, s_q, h_q, s_k in (CONFIGS if subset == "all" else []):
         for sched in (DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE):

@@ -64,7 +64,7 @@ def _describe(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) -> str:
             f"page={page} kv_stages={schedule.kv_stages} qk_prefetch={schedule.qk_prefetch} "
             f"kv_evict_first={schedule.kv_evict_first} seesaw={schedule.seesaw} "
             f"cross_term_first={schedule.cross_term_first} tile_multicast={schedule.tile_multicast} "
-            f"load_warpgroup={schedule.load_warpgroup}")
+            f"load_warpgroup={schedule.load_warpgroup_on()}")
 
 
 def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int,

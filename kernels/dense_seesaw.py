@@ -122,7 +122,7 @@ class DenseSeesawKernel(SeesawConsumer):
         self.kv_evict_first = schedule.kv_evict_first
         self.tile_multicast = schedule.tile_multicast_for(self.m_tiles, group, causal)
         self.cross_term_first = schedule.cross_term_first_for(self.m_tiles, self.tile_multicast)
-        self.load_warpgroup = schedule.load_warpgroup
+        self.load_warpgroup = schedule.load_warpgroup_on()
         self.num_threads = 384 if self.load_warpgroup else 256
 
     # ------------------------------------------------------------------ host side

@@ -49,9 +49,12 @@ class DenseDecodeSchedule:
         multiple of 128 query heads.
     load_warpgroup: seesaw kernel only: a third warpgroup issues every TMA copy (Q, each buffer half's
         refill, a request's first tiles, the block-table reads before them); the consumer warpgroups only
-        hand a freed buffer half back through an mbarrier, and the loads run ahead across request
-        boundaries.  The consumers get 240 registers and the loader 24 (setmaxnreg, 384 threads).
-        False: the warp that frees a buffer half issues its refill (FlashMLA's way).
+        hand a freed buffer half back through an mbarrier (with tile multicast: to both CTAs' loaders), so
+        neither a copy's issue nor the wait for the peer's hand-back sits on their path, and the loads run
+        ahead across request boundaries.  The consumers get 240 registers and the loader 24 (setmaxnreg,
+        384 threads).  False: the warp that frees a buffer half issues its refill (FlashMLA's way).
+        Measured on the H200 (docs/performance.md, entry 26): 3-5% faster on the h_q = 128 rows, 1-2% at
+        s_q = 2, neutral on the memory-bound rows.  None: on with the seesaw.
     combine_chunked_batch: the largest batch whose combine splits each row into 4 column chunks,
         one CTA each (0: never).  A small batch has few rows and many partials a row; chunks
         spread them over more SMs (b = 1, 128K: 94 -> 85 us on the H200).
@@ -66,12 +69,16 @@ class DenseDecodeSchedule:
     combine_chunked_batch: int = 4
     cross_term_first: Optional[bool] = None
     tile_multicast: Optional[bool] = None
-    load_warpgroup: bool = False
+    load_warpgroup: Optional[bool] = None
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
         return (self.kv_stages, self.qk_prefetch, self.kv_evict_first, self.seesaw, self.combine_chunked_batch,
-                self.cross_term_first, self.tile_multicast, self.load_warpgroup)
+                self.cross_term_first, self.tile_multicast, self.load_warpgroup_on())
+
+    def load_warpgroup_on(self) -> bool:
+        """``load_warpgroup`` resolved (None: on with the seesaw kernel)."""
+        return self.seesaw if self.load_warpgroup is None else self.load_warpgroup
 
     def cross_term_first_for(self, m_tiles: int, multicast: bool) -> bool:
         """``cross_term_first`` for a kernel with ``m_tiles`` 64-row M tiles a KV head, with tile multicast
@@ -126,10 +133,11 @@ class DenseDecodeSchedule:
             check_bool("tile_multicast", self.tile_multicast)
             if self.tile_multicast and not self.seesaw:
                 raise ValueError("tile_multicast is a seesaw-kernel option; set seesaw=True or leave it None")
-        check_bool("load_warpgroup", self.load_warpgroup)
-        if self.load_warpgroup and not self.seesaw:
-            raise ValueError("load_warpgroup is a seesaw-kernel option (the serial kernel always has its TMA "
-                             "producer warpgroup); set seesaw=True or leave it False")
+        if self.load_warpgroup is not None:
+            check_bool("load_warpgroup", self.load_warpgroup)
+            if self.load_warpgroup and not self.seesaw:
+                raise ValueError("load_warpgroup is a seesaw-kernel option (the serial kernel always has its TMA "
+                                 "producer warpgroup); set seesaw=True or leave it None")
         check_split_policy(self)
         check_combine(self)
         check_smem(self)

@@ -341,6 +341,17 @@ def test_dense_schedule_rules():
         DenseDecodeSchedule(tile_multicast=1).validate()
     with pytest.raises(ValueError, match="seesaw=True"):
         DenseDecodeSchedule(seesaw=False, tile_multicast=True).validate()
+    # The load warpgroup: on with the seesaw unless set; a seesaw option.
+    assert DEFAULT_DENSE_SCHEDULE.load_warpgroup_on() and not SERIAL_DENSE_SCHEDULE.load_warpgroup_on()
+    assert DenseDecodeSchedule(load_warpgroup=True).kernel_key() == DEFAULT_DENSE_SCHEDULE.kernel_key()
+    own_warps = DenseDecodeSchedule(load_warpgroup=False)
+    own_warps.validate()
+    assert not own_warps.load_warpgroup_on() and own_warps.kernel_key() != DEFAULT_DENSE_SCHEDULE.kernel_key()
+    with pytest.raises(ValueError, match="load_warpgroup must be a bool"):
+        DenseDecodeSchedule(load_warpgroup=1).validate()
+    with pytest.raises(ValueError, match="seesaw=True"):
+        DenseDecodeSchedule(seesaw=False, load_warpgroup=True).validate()
+    DenseDecodeSchedule(seesaw=False, load_warpgroup=False).validate()
     # Q, two 64 x 576 tiles, one P and the row buffers fit a Hopper CTA.
     assert 225 * 1024 < SEESAW_DENSE_SCHEDULE.smem_bytes() <= 232448
 

@@ -63,10 +63,10 @@ def _schedules():
             # tile multicast forced on (every pairable kernel) and off (the h_q = 128 kernels without it)
             "seesaw_multicast": dataclasses.replace(seesaw, tile_multicast=True),
             "seesaw_no_multicast": dataclasses.replace(seesaw, tile_multicast=False),
-            # the load warpgroup in both step orders, and with tile multicast forced on
-            "seesaw_loader": dataclasses.replace(seesaw, load_warpgroup=True),
-            "seesaw_loader_cross_last": dataclasses.replace(seesaw, load_warpgroup=True, cross_term_first=False),
-            "seesaw_loader_multicast": dataclasses.replace(seesaw, load_warpgroup=True, tile_multicast=True)}
+            # no load warpgroup (the freeing warp refills) in both step orders, and with tile multicast forced on
+            "seesaw_no_loader": dataclasses.replace(seesaw, load_warpgroup=False),
+            "seesaw_no_loader_cross_last": dataclasses.replace(seesaw, load_warpgroup=False, cross_term_first=False),
+            "seesaw_no_loader_multicast": dataclasses.replace(seesaw, load_warpgroup=False, tile_multicast=True)}
 
 
 # Lengths that put the last tile of a request at every position of a tile pair (0-5 tiles,
@@ -82,7 +82,7 @@ SCHEDULE_CASES = [
 
 
 TILE_POSITION_SCHEDULES = ["serial", "seesaw", "seesaw_cross_first", "seesaw_cross_last", "seesaw_no_multicast",
-                           "seesaw_loader", "seesaw_loader_cross_last"]
+                           "seesaw_no_loader", "seesaw_no_loader_cross_last"]
 
 
 @pytest.mark.parametrize("name", TILE_POSITION_SCHEDULES)
@@ -106,7 +106,7 @@ MULTICAST_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["seesaw_multicast", "seesaw_loader_multicast"])
+@pytest.mark.parametrize("name", ["seesaw_multicast", "seesaw_no_loader_multicast"])
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", MULTICAST_CASES)
 def test_tile_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal, name):
     import mla_cute
