@@ -15,9 +15,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main(src: str, dst: str, labels_for: dict) -> None:
+def main(src: str, dst: str, labels: list) -> None:
     rows = json.load(open(src))["rows"]
     schedules = list(dict.fromkeys(r["schedule"] for r in rows))
+    # A schedule name may hold '=' itself (default:load_warpgroup=False): match the names, not the first '='.
+    labels_for = {name: x[len(name) + 1:] for x in labels for name in schedules if x.startswith(name + "=")}
     configs = list(dict.fromkeys((r["b"], r["s_q"], r["h_q"], r["s_k"]) for r in rows))
     labels = [f"b{b} s{s}\nh{h}\n{k // 1024}K" for b, s, h, k in configs]
     fig, ax = plt.subplots(figsize=(11, 3.6), dpi=80)
@@ -41,4 +43,4 @@ if __name__ == "__main__":
     ap.add_argument("dst")
     ap.add_argument("--label", action="append", default=[], help="SCHEDULE=LEGEND, to rename a legend entry")
     args = ap.parse_args()
-    main(args.src, args.dst, dict(x.split("=", 1) for x in args.label))
+    main(args.src, args.dst, args.label)
