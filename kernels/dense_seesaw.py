@@ -16,24 +16,32 @@ order, kept with two or more M tiles a KV head that tile multicast does not pair
 KV head (the memory-bound rows) and with tile multicast (h_q = 128: a refill waits for both CTAs to
 free a buffer half) the kernel takes the cross term first (schedule field ``cross_term_first``): P0
 leaves at m0, WG1 issues P0 V0_R before its softmax and P1 V1_R right behind it, and O_L / O_R move to
-m1 only where the max moved, so the right half of K0 refills a step earlier.  There is no producer
-warpgroup: the warpgroup that frees a part of a buffer issues the TMA copy that refills it.
+m1 only where the max moved, so the right half of K0 refills a step earlier.
+Loads (schedule field ``load_warpgroup``, on by default): a third warpgroup's first warp issues every TMA
+copy, in the consumers' order and a request ahead across request boundaries; a consumer warpgroup that
+has waited for the last MMA reading a buffer half hands it back with one mbarrier arrival.  Without it
+(FlashMLA's way) the warp that frees a buffer half issues its refill itself.
 Tile multicast (schedule field ``tile_multicast``; by default with 128 query heads a KV head): the two M
 tiles of a pair (grid y 2i and 2i + 1, which see the same tiles) run as a 2-CTA cluster, and each CTA
 loads 32 of each sub-tile's 64 rows into both CTAs (TMA multicast), so each tile crosses from L2 once
-for both.  A buffer half may be overwritten only once both CTAs freed it: the warp that refills it
-arrives on the peer's ``free`` barrier of that half and waits on its own before its copies.
+for both.  A buffer half may be overwritten only once both CTAs freed it: its hand-back arrives on both
+CTAs' ``free`` barrier of that half (without the load warpgroup: the warp that refills it arrives on the
+peer's and waits on its own before its copies).
 Each 64 x 576 tile arrives as nine 64 x 64 sub-tiles, each with its own mbarrier, and S = Q K^T
 consumes sub-tile j as soon as it lands:
-  K0 sub-tiles 0-3 (V0_L) refill after WG0's P0 V0_L; 4-8 after WG1's P0 V0_R;
-  K1 sub-tiles 0-3 (V1_L) refill after WG0's P1 V1_L; 4-8 after WG1's P1 V1_R.
+  K0 sub-tiles 0-3 (V0_L) free after WG0's P0 V0_L; 4-8 after WG1's P0 V0_R;
+  K1 sub-tiles 0-3 (V1_L) free after WG0's P1 V1_L; 4-8 after WG1's P1 V1_R.
 
-Warpgroup roles (256 threads, one CTA per SM, no register reallocation):
-  WG0  S of the even tiles, O_L.  Its warp 0 issues each request's Q copy and first tile pair,
-       and the refills of sub-tiles 0-3; its thread 0 the bulk copies of a request's final rows.
-  WG1  S of the odd tiles, O_R.  Its warp 0 issues the refills of sub-tiles 4-8 (with tile multicast
-       also a request's first loads of them, so that one warp keeps each half's phase of the peer's
-       hand-back).
+Warpgroup roles (one CTA per SM):
+  WG0  S of the even tiles, O_L; hands back sub-tiles 0-3 of both buffers, and Q's bytes after a
+       request's epilogue.  Its thread 0 issues the bulk copies of a request's final rows.
+  WG1  S of the odd tiles, O_R; hands back sub-tiles 4-8 of both buffers.
+  WG2  (load warpgroup; 384 threads, setmaxnreg: 240 registers for WG0 and WG1, 24 for WG2) its
+       first warp issues Q and every tile's copies; the other three warps idle.
+  Without the load warpgroup (256 threads, no register reallocation): WG0's warp 0 issues each
+  request's Q copy and first tile pair and the refills of sub-tiles 0-3, WG1's warp 0 the refills of
+  sub-tiles 4-8 (with tile multicast also a request's first loads of them, so that one warp keeps each
+  half's phase of the peer's hand-back).
 
 Shared-memory plan (16-bit q/cache; bytes):
   sQ      64 x 576                        73 728  (its last 64 x 64 sub-tile, the RoPE part of Q,
@@ -46,7 +54,10 @@ Shared-memory plan (16-bit q/cache; bytes):
   sM, sScale, sSum  3 x [64][2] fp32       1 536  (row max in log2 units in sM[:, 0]; the rescale
                                                    factors of WG0 and WG1; the epilogue's sums)
   mbarriers: Q; K sub-tiles [2][9]           160
-  (tile multicast) free [2][2]                32  (per buffer and half: the peer freed its copy)
+  free [2][2]                                 32  (per buffer and half: this CTA's consumers and, with
+                                                   tile multicast, the peer's freed it; without the
+                                                   load warpgroup only with multicast: the peer's)
+  (load warpgroup) Q free                      8  (Q's bytes may take the next request's Q)
 About 226 KiB of the 227 KiB a CTA may have (``DenseDecodeSchedule.smem_bytes``).
 
 Causal: the tiles no row of the M tile sees are skipped; the scores past a row's end are masked
@@ -258,8 +269,8 @@ class DenseSeesawKernel(SeesawConsumer):
         else:
             self.run_consumers(wg, *consumer_args)
         if cutlass.const_expr(self.tile_multicast):
-            # Every multicast into this CTA and every remote arrival on it was waited for, but neither CTA
-            # leaves before the other is done with the cluster.
+            # Every multicast into this CTA was waited for, but neither CTA leaves before the other is done
+            # with the cluster (with the load warpgroup the last hand-backs arrive on the peer unwaited).
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
