@@ -300,8 +300,9 @@ class DenseSeesawKernel(SeesawConsumer):
                                  storage.free_mbar.data_ptr() if self.tile_multicast or self.load_warpgroup else None,
                                  storage.q_free_mbar.data_ptr() if self.load_warpgroup else None)
         outs = SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum)
-        # Final rows leave through Q's bytes (dead after the request's last pair; the next Q is loaded
-        # by warp 0, whose thread 0 issues the copies and waits for their reads first).
+        # Final rows leave through Q's bytes (dead after the request's last pair).  Thread 0 issues the
+        # copies and waits for their reads before the next Q is loaded there (by its own warp, or by the
+        # load warpgroup once it hands Q's bytes back).
         staged = StagedRows(
             rows=cute.make_tensor(storage.sQ.data_ptr(), staged_rows_layout()),
             written=pipeline.NamedBarrier(barrier_id=int(SeesawBarrier.OUT_STAGED), num_threads=256),
@@ -667,6 +668,7 @@ class DenseSeesawKernel(SeesawConsumer):
 
     @cute.jit
     def load_q_when_free(self, ld, req, q_phase):
+        """Request ``req``'s Q, once WG0 has handed back Q's bytes (a fresh barrier passes at once)."""
         cute.arch.mbarrier_wait(ld.q_free_bar, q_phase[0])
         q_phase[0] = q_phase[0] ^ 1
         self.load_q(ld, req)
@@ -680,6 +682,9 @@ class DenseSeesawKernel(SeesawConsumer):
             k = buf * 2 + (0 if subtiles == V_L_SUBS else 1)
             cute.arch.mbarrier_wait(ld.free_bar + k, free_phase[k])
             free_phase[k] = free_phase[k] ^ 1
+            # Each expectation follows the hand-back: before it this CTA's consumers may still wait on the
+            # sub-tile's previous phase.  The peer's multicast half may land before it (a barrier's
+            # transaction count may run ahead of its expectation within a phase).
             for j in subtiles:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(ld.kv_bar + (buf * NUM_SUB + j), self.sub_bytes)
