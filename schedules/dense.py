@@ -53,8 +53,8 @@ class DenseDecodeSchedule:
         neither a copy's issue nor the wait for the peer's hand-back sits on their path, and the loads run
         ahead across request boundaries.  The consumers get 240 registers and the loader 24 (setmaxnreg,
         384 threads).  False: the warp that frees a buffer half issues its refill (FlashMLA's way).
-        Measured on the H200 (docs/performance.md, entry 26): 3-5% faster on the h_q = 128 rows, 1-2% at
-        s_q = 2, neutral on the memory-bound rows.  None: on with the seesaw.
+        Measured on the H200 (docs/performance.md, entry 26): 3-6% faster on the h_q = 128 rows with
+        s_q = 1, about 1% on the memory-bound rows, neutral at s_q = 2.  None: on with the seesaw.
     combine_chunked_batch: the largest batch whose combine splits each row into 4 column chunks,
         one CTA each (0: never).  A small batch has few rows and many partials a row; chunks
         spread them over more SMs (b = 1, 128K: 94 -> 85 us on the H200).
