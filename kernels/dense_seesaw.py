@@ -110,6 +110,11 @@ from .seesaw import NUM_SUB, SUB, SeesawBarrier, SeesawBarriers, SeesawConsumer,
 V_L_SUBS = (0, 1, 2, 3)
 V_R_SUBS = (4, 5, 6, 7, 8)
 
+def half_of(subtiles) -> int:
+    """The buffer half (hand-back barrier index) of a sub-tile group: 0 for V_L, 1 for V_R and RoPE."""
+    return 0 if subtiles == V_L_SUBS else 1
+
+
 # L2 cache-policy operand of a TMA load marking the lines evict-first (each tile is read once).
 L2_EVICT_FIRST = 0x12F0000000000000
 
@@ -679,16 +684,21 @@ class DenseSeesawKernel(SeesawConsumer):
         free them (buffer 1's right half, read by the P V issued first, before its left half)."""
         loc = self.tile_location(ld, req, blk)
         for subtiles in ((V_L_SUBS, V_R_SUBS) if buf == 0 else (V_R_SUBS, V_L_SUBS)):
-            k = buf * 2 + (0 if subtiles == V_L_SUBS else 1)
+            k = buf * 2 + half_of(subtiles)
             cute.arch.mbarrier_wait(ld.free_bar + k, free_phase[k])
             free_phase[k] = free_phase[k] ^ 1
             # Each expectation follows the hand-back: before it this CTA's consumers may still wait on the
             # sub-tile's previous phase.  The peer's multicast half may land before it (a barrier's
             # transaction count may run ahead of its expectation within a phase).
-            for j in subtiles:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(ld.kv_bar + (buf * NUM_SUB + j), self.sub_bytes)
-                self.copy_sub_tile(ld, loc, buf, j)
+            self.expect_and_copy(ld, loc, buf, subtiles)
+
+    @cute.jit
+    def expect_and_copy(self, ld, loc, buf: cutlass.Constexpr, subtiles: cutlass.Constexpr):
+        """Each of ``subtiles``: its barrier expects the whole sub-tile, then this CTA's copy (by a whole warp)."""
+        for j in subtiles:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(ld.kv_bar + (buf * NUM_SUB + j), self.sub_bytes)
+            self.copy_sub_tile(ld, loc, buf, j)
 
     # ------------------------------------------------------------- TMA loads
     @cute.jit
@@ -711,10 +721,7 @@ class DenseSeesawKernel(SeesawConsumer):
         if cutlass.const_expr(self.tile_multicast):
             self.load_kv_multicast(ld, loc, buf, subtiles)
         else:
-            for j in subtiles:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(ld.kv_bar + (buf * NUM_SUB + j), self.sub_bytes)
-                self.copy_sub_tile(ld, loc, buf, j)
+            self.expect_and_copy(ld, loc, buf, subtiles)
 
     @cute.jit
     def load_kv_multicast(self, ld, loc, buf: cutlass.Constexpr, subtiles: cutlass.Constexpr):
@@ -722,8 +729,7 @@ class DenseSeesawKernel(SeesawConsumer):
         Its barriers expect the whole sub-tile first (the peer's half may land any time after the
         hand-back); then it hands its copy of the buffer half back to the peer and waits for the peer's."""
         assert subtiles in (V_L_SUBS, V_R_SUBS), "a multicast load is one buffer half (one hand-back barrier)"
-        half = 0 if subtiles == V_L_SUBS else 1
-        free = ld.free_bar + (buf * 2 + half)
+        free = ld.free_bar + (buf * 2 + half_of(subtiles))
         for j in subtiles:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(ld.kv_bar + (buf * NUM_SUB + j), self.sub_bytes)
