@@ -110,10 +110,10 @@ def compile_combine(torch_dtype, s_q: int, h_q: int, h_kv: int, options: str = "
     return cached_compile(key, build, describe=what, persistent=not options)
 
 
-def compile_scheduler(fixed_cost: int, options: str = ""):
+def compile_scheduler(fixed_cost: int, unsplit_slack: int = 0, options: str = ""):
     from .scheduler import SchedulerKernel
 
-    key = ("scheduler", fixed_cost, options)
+    key = ("scheduler", fixed_cost, unsplit_slack, options)
 
     def build():
         args = (
@@ -122,9 +122,10 @@ def compile_scheduler(fixed_cost: int, options: str = ""):
             make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
             make_fake_stream(use_tvm_ffi_env_stream=True),
         )
-        return cute.compile(SchedulerKernel(fixed_cost), *args, options=compile_options(options))
+        return cute.compile(SchedulerKernel(fixed_cost, unsplit_slack), *args, options=compile_options(options))
 
-    return cached_compile(key, build, describe=f"scheduler fixed_cost={fixed_cost}", persistent=not options)
+    return cached_compile(key, build, describe=f"scheduler fixed_cost={fixed_cost} unsplit_slack={unsplit_slack}",
+                          persistent=not options)
 
 
 def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length: bool):

@@ -2,7 +2,9 @@
 
 It runs on the stream before the split kernel, so the metadata never crosses to the
 host (no synchronisation; capturable in a CUDA graph).  The greedy walk is sequential
-and tiny (b + num_parts steps): one thread does it.
+and tiny (b + num_parts steps): one thread does it.  With ``unsplit_slack`` > 0 the
+search for a capacity that keeps every request whole adds a pass over the lengths and
+at most a few more (a bisection over ``fixed_cost + unsplit_slack + 1`` capacities).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ BLOCK_N = 64
 
 
 class SchedulerKernel:
-    def __init__(self, fixed_cost: int):
+    def __init__(self, fixed_cost: int, unsplit_slack: int = 0):
         self.fixed_cost = fixed_cost
+        self.unsplit_slack = unsplit_slack
 
     @cute.jit
     def __call__(self, mSeqlens: cute.Tensor, mSched: cute.Tensor, mNumSplits: cute.Tensor, stream):
@@ -25,6 +28,20 @@ class SchedulerKernel:
     def last_block(self, mSeqlens, req):
         return (cutlass.max(mSeqlens[req] - 1, 0)) // BLOCK_N
 
+    @cute.jit
+    def parts_whole(self, mSeqlens, capacity):
+        """The planner's ``_parts_whole``: parts taken by whole requests packed in order."""
+        parts = cutlass.Int32(1)
+        fill = cutlass.Int32(0)
+        for i in cutlass.range(mSeqlens.shape[0], unroll=4):
+            c = self.last_block(mSeqlens, i) + 1 + self.fixed_cost
+            if fill + c > capacity:
+                parts += 1
+                fill = c
+            else:
+                fill += c
+        return parts
+
     @cute.kernel
     def kernel(self, mSeqlens, mSched, mNumSplits):
         tidx, _, _ = cute.arch.thread_idx()
@@ -33,9 +50,27 @@ class SchedulerKernel:
             b = mSeqlens.shape[0]
             num_parts = mSched.shape[0]
             total = cutlass.Int32(0)
-            for i in cutlass.range(b, unroll=1):
-                total += self.last_block(mSeqlens, i) + 1 + fixed
+            largest = cutlass.Int32(0)
+            for i in cutlass.range(b, unroll=4):
+                c = self.last_block(mSeqlens, i) + 1 + fixed
+                total += c
+                largest = cutlass.max(largest, c)
             payload = (total + num_parts - 1) // num_parts + fixed
+            # 1: every request is packed whole at capacity ``payload`` (the planner's ``_whole_capacity``).
+            whole = cutlass.Int32(0)
+            if cutlass.const_expr(self.unsplit_slack > 0):
+                lo = cutlass.max(largest, (total + num_parts - 1) // num_parts)
+                hi = payload + self.unsplit_slack
+                if lo <= hi:
+                    if self.parts_whole(mSeqlens, hi) <= num_parts:
+                        while lo < hi:
+                            mid = (lo + hi) // 2
+                            if self.parts_whole(mSeqlens, mid) <= num_parts:
+                                hi = mid
+                            else:
+                                lo = mid + 1
+                        whole = 1
+                        payload = lo
             req = cutlass.Int32(0)
             block = cutlass.Int32(0)
             split = cutlass.Int32(0)
@@ -61,9 +96,10 @@ class SchedulerKernel:
                         split = 0
                         go = req < b
                     else:
-                        if remain - fixed > 0:
-                            block += remain - fixed
-                            split += 1
+                        if whole == 0:
+                            if remain - fixed > 0:
+                                block += remain - fixed
+                                split += 1
                         go = False
                 end_req = req
                 end_block = block

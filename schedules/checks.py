@@ -17,11 +17,14 @@ def check_bool(name: str, value) -> None:
 
 
 def check_split_policy(schedule) -> None:
-    """``split_fixed_cost`` and ``num_sm_parts``: the planner's cost per request piece and part count."""
-    if not isinstance(schedule.split_fixed_cost, int) or schedule.split_fixed_cost < 0:
-        raise ValueError(f"split_fixed_cost must be an int >= 0, got {schedule.split_fixed_cost!r}")
+    """``split_fixed_cost``, ``unsplit_slack`` and ``num_sm_parts``: the planner's cost per request piece,
+    its slack for whole requests and the part count."""
+    for name in ("split_fixed_cost", "unsplit_slack"):
+        value = getattr(schedule, name)
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     parts = schedule.num_sm_parts
-    if parts is not None and (not isinstance(parts, int) or parts < 1):
+    if parts is not None and (type(parts) is not int or parts < 1):
         raise ValueError(f"num_sm_parts must be None or an int >= 1, got {parts!r}")
 
 

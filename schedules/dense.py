@@ -30,6 +30,14 @@ class DenseDecodeSchedule:
         sets it).  Measured no faster with the serial kernel and 0-2% slower with the seesaw on
         the H200, so off.
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
+    unsplit_slack: the planner keeps every request whole when a plan that splits nothing costs a part at
+        most ``unsplit_slack`` 64-token blocks more than the payload of FlashMLA's plan for each 64-row M
+        tile of a KV head's query rows (``plan_slack``; ``schedules/planner.py``): a split costs the fp32
+        partials and the combine kernel, neither counted by the fixed cost per piece, and both grow with
+        the query rows.  Measured on the H200 (docs/performance.md, entry 27), b = 128, h_q = 128: whole
+        plans 3 and 11 blocks dearer were 1-6% faster at s_q = 2 (4K, 8K; 4 M tiles) and one 3 blocks
+        dearer 2% faster at s_q = 1, 8K (2 M tiles), but one 10 blocks dearer 0-3% slower at s_q = 1, 16K.
+        0: FlashMLA's plan.
     num_sm_parts: CTAs per (KV head, M tile); None = FlashMLA's rule from the SM count.
     cross_term_first: seesaw kernel only: warpgroup 1 issues P0 V0_R (the cross term, P0 at warpgroup 0's
         row max) before its own softmax, and P1 V1_R right behind it; a buffer's right half refills a
@@ -65,6 +73,7 @@ class DenseDecodeSchedule:
     kv_evict_first: bool = False
     seesaw: bool = True
     split_fixed_cost: int = 5
+    unsplit_slack: int = 4
     num_sm_parts: Optional[int] = None
     combine_chunked_batch: int = 4
     cross_term_first: Optional[bool] = None
@@ -110,6 +119,10 @@ class DenseDecodeSchedule:
         else:
             small = 2 * 64 * 4 * 2 + 64 * 8 * (self.kv_stages + 2)
         return q + kv + p + small
+
+    def plan_slack(self, rows_per_kv_head: int) -> int:
+        """The planner's ``unsplit_slack`` in blocks for a KV head with ``rows_per_kv_head`` query rows."""
+        return self.unsplit_slack * -(-rows_per_kv_head // 64)
 
     def validate(self) -> None:
         """Reject impossible schedules before compiling, with the reason."""

@@ -8,6 +8,13 @@ every part gets a payload of ``ceil(total / num_parts) + fixed_cost`` and takes
 requests greedily in order, splitting the request that does not fit.  A request
 of length 0 still counts as one block (its part writes the empty result).
 
+Whole requests (``unsplit_slack`` > 0, ours): a split costs more than its pieces'
+fixed costs, since the split kernel writes fp32 partials and the combine kernel
+reads them back after the split kernel.  So when the requests can be packed whole,
+in order, into the parts with no part costing more than ``payload + unsplit_slack``,
+the plan packs them whole at the smallest capacity that fits (found by bisection),
+and nothing is split.  With ``unsplit_slack`` = 0 the plan is FlashMLA's.
+
 One record per part, 8 x int32 (``RECORD_FIELDS``):
   begin_req, end_req (inclusive), begin_block, end_block (exclusive, in the
   end request), begin_split_idx (split index of begin_req handled by this part),
@@ -58,6 +65,7 @@ def plan_splits(
     num_parts: int,
     block_n: int = 64,
     fixed_cost: int = 5,
+    unsplit_slack: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan the split-KV work.
 
@@ -66,23 +74,27 @@ def plan_splits(
         num_parts: number of SM parts (CTAs per (KV head, M tile)), >= 1.
         block_n: tokens per KV block.
         fixed_cost: fixed cost of a request (or of each piece of a split request), in blocks.
+        unsplit_slack: how many blocks more than the payload a part may cost in a plan that splits
+            nothing (see the module docstring); 0: FlashMLA's plan.
 
     Returns:
         (records int32 ``[num_parts, 8]``, num_splits int32 ``[b + 1]``), on the CPU.
     """
-    records, num_splits = _walk(_host_lengths(seqlens, num_parts, block_n, fixed_cost), num_parts, block_n,
-                                fixed_cost)
+    lens = _host_lengths(seqlens, num_parts, block_n, fixed_cost, unsplit_slack)
+    records, num_splits = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack)
     return torch.tensor(records, dtype=torch.int32).view(num_parts, RECORD_SIZE), torch.tensor(num_splits, dtype=torch.int32)
 
 
-def plan_has_split(seqlens: torch.Tensor, num_parts: int, block_n: int = 64, fixed_cost: int = 5) -> bool:
+def plan_has_split(seqlens: torch.Tensor, num_parts: int, block_n: int = 64, fixed_cost: int = 5,
+                   unsplit_slack: int = 0) -> bool:
     """Whether ``plan_splits`` (hence the scheduler kernel) splits a request over parts, so a combine must
     merge partials.  Without a split every request's output comes from one part, which writes it."""
-    _, num_splits = _walk(_host_lengths(seqlens, num_parts, block_n, fixed_cost), num_parts, block_n, fixed_cost)
+    lens = _host_lengths(seqlens, num_parts, block_n, fixed_cost, unsplit_slack)
+    _, num_splits = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack)
     return any(b - a > 1 for a, b in zip(num_splits, num_splits[1:]))
 
 
-def _host_lengths(seqlens: torch.Tensor, num_parts: int, block_n: int, fixed_cost: int) -> list:
+def _host_lengths(seqlens: torch.Tensor, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int) -> list:
     """The lengths as Python ints, after checking the planner's arguments."""
     if num_parts < 1:
         raise ValueError(f"num_parts must be >= 1, got {num_parts}")
@@ -90,6 +102,8 @@ def _host_lengths(seqlens: torch.Tensor, num_parts: int, block_n: int, fixed_cos
         raise ValueError(f"block_n must be >= 1, got {block_n}")
     if fixed_cost < 0:
         raise ValueError(f"fixed_cost must be >= 0, got {fixed_cost}")
+    if unsplit_slack < 0:
+        raise ValueError(f"unsplit_slack must be >= 0, got {unsplit_slack}")
     lens = [int(x) for x in seqlens.detach().to("cpu", torch.int64).tolist()]
     if not lens:
         raise ValueError("seqlens must hold at least one request")
@@ -98,7 +112,36 @@ def _host_lengths(seqlens: torch.Tensor, num_parts: int, block_n: int, fixed_cos
     return lens
 
 
-def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int) -> tuple[list, list]:
+def _parts_whole(costs: list, capacity: int) -> int:
+    """How many parts the requests take when packed whole, in order, at most ``capacity`` a part
+    (each cost at most ``capacity``)."""
+    parts, fill = 1, 0
+    for c in costs:
+        if fill + c > capacity:
+            parts, fill = parts + 1, c
+        else:
+            fill += c
+    return parts
+
+
+def _whole_capacity(costs: list, num_parts: int, payload: int, unsplit_slack: int):
+    """The smallest capacity that packs every request whole into ``num_parts`` parts, if it is at most
+    ``payload + unsplit_slack``; else None (the plan splits)."""
+    total = sum(costs)
+    lo = max(max(costs), -(-total // num_parts))
+    hi = payload + unsplit_slack
+    if lo > hi or _parts_whole(costs, hi) > num_parts:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _parts_whole(costs, mid) <= num_parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int = 0) -> tuple[list, list]:
     """The greedy walk: (one record per part as a list, the prefix sums of the split counts).  Plain
     Python lists: the runtime runs it on a plan's first call, and a tensor per part cost about 10 us
     each."""
@@ -108,6 +151,11 @@ def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int) -> tuple[li
     num_blocks = [lb + 1 for lb in last_block]
     total = sum(nb + fixed_cost for nb in num_blocks)
     payload = -(-total // num_parts) + fixed_cost
+    whole = None
+    if unsplit_slack > 0:
+        whole = _whole_capacity([nb + fixed_cost for nb in num_blocks], num_parts, payload, unsplit_slack)
+    if whole is not None:
+        payload = whole  # every request fits a part whole: the walk below never splits
 
     records = []
     num_splits = [0] * (b + 1)
@@ -124,7 +172,7 @@ def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int) -> tuple[li
                 remain -= left + fixed_cost
                 req, block, split_idx = req + 1, 0, 0
             else:
-                if remain - fixed_cost > 0:
+                if whole is None and remain - fixed_cost > 0:
                     block += remain - fixed_cost
                     split_idx += 1
                 break

@@ -34,6 +34,11 @@ class SparseDecodeSchedule:
         False: the serial consumer (``kernels/consumer.py``): each warpgroup S over 32 tokens, both
         meeting at the row max and at P before their P V.
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
+    unsplit_slack: the planner keeps every request whole when a plan that splits nothing costs a part at
+        most this many 64-token blocks more than the payload of FlashMLA's plan for each 64 query rows of a
+        request (``plan_slack``; as for dense decode).  Off: on the H200 the topk 16K row (b = 64, s_q = 2,
+        h_q = 128), whose whole plan costs 10 blocks more, read 1264.5 us whole against 1240.8 / 1256.4
+        split (docs/performance.md, entry 27).
     num_sm_parts: CTAs per (query token, 64-head tile); None = FlashMLA's rule from the SM count.
     combine_chunked_batch: the largest batch whose combine splits each row into 4 column chunks,
         one CTA each (0: never).  A small batch has few rows and many partials a row; chunks
@@ -45,6 +50,7 @@ class SparseDecodeSchedule:
     peer_bulk_copy: bool = True
     leader_follower: bool = True
     split_fixed_cost: int = 5
+    unsplit_slack: int = 0
     num_sm_parts: Optional[int] = None
     combine_chunked_batch: int = 4
 
@@ -60,6 +66,10 @@ class SparseDecodeSchedule:
         kv = self.kv_stages * 64 * 576 * 2
         p = 64 * 64 * 2
         return small + q + kv + p
+
+    def plan_slack(self, rows: int) -> int:
+        """The planner's ``unsplit_slack`` in blocks for requests of ``rows`` query rows (s_q x h_q)."""
+        return self.unsplit_slack * -(-rows // 64)
 
     def validate(self) -> None:
         """Reject impossible schedules before compiling, with the reason."""

@@ -32,8 +32,9 @@ def recorder(monkeypatch):
 
         return step
 
-    def compile_scheduler(fixed_cost, options=""):
-        return lambda seqlens, sched, splits: calls["scheduler"].append((fixed_cost, sched.shape, splits.shape))
+    def compile_scheduler(fixed_cost, unsplit_slack=0, options=""):
+        return lambda seqlens, sched, splits: calls["scheduler"].append((fixed_cost, unsplit_slack, sched.shape,
+                                                                         splits.shape))
 
     monkeypatch.setattr(build, "compile_dense_decode", compile_dense_decode)
     monkeypatch.setattr(build, "compile_scheduler", compile_scheduler)
@@ -60,7 +61,7 @@ def test_arguments_handed_to_the_step(recorder):
     assert out.shape == (3, 2, 12, 512) and out.dtype == torch.bfloat16
     assert lse.shape == (3, 12, 2) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert recorder["static"] == (torch.bfloat16, 2, 12, 2, True, 128, sched)
-    assert recorder["scheduler"] == [(3, (5, 8), (4,))]
+    assert recorder["scheduler"] == [(3, sched.plan_slack(2 * 12 // 2), (5, 8), (4,))]
     (q_rows, k_arg, bt, sl, records, splits, out_arg, lse_arg, o_acc, lse_acc, scale_log2), = recorder["steps"]
     assert out_arg is out and lse_arg is lse and k_arg is k_cache and bt is block_table and sl is seqlens
     assert records is meta.tile_scheduler_metadata and splits is meta.num_splits
@@ -126,9 +127,9 @@ def sparse_recorder(monkeypatch):
 
         return step
 
-    def compile_scheduler(fixed_cost, options=""):
+    def compile_scheduler(fixed_cost, unsplit_slack=0, options=""):
         def run(lengths, sched, splits):
-            calls["scheduler"].append((fixed_cost, lengths.clone(), sched.shape, splits.shape))
+            calls["scheduler"].append((fixed_cost, unsplit_slack, lengths.clone(), sched.shape, splits.shape))
 
         return run
 
@@ -161,8 +162,8 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     assert lse.shape == (3, 128, 2) and lse.dtype == torch.float32
     assert sparse_recorder["compile"] == [(2, 128, True, sched)]
     assert sparse_recorder["topk_length"] == [True]  # the kernel that reads the lengths
-    fixed, lengths, sched_shape, splits_shape = sparse_recorder["scheduler"][0]
-    assert fixed == 2 and sched_shape == (7, 8) and splits_shape == (4,)
+    fixed, slack, lengths, sched_shape, splits_shape = sparse_recorder["scheduler"][0]
+    assert fixed == 2 and slack == sched.plan_slack(2 * 128) and sched_shape == (7, 8) and splits_shape == (4,)
     assert lengths.tolist() == [1, 70, 128]  # clamped to [1, topk] for the planner
     (qq, cache, idx, tl, records, splits, o, l, o_acc, lse_acc, sk, scale) = sparse_recorder["steps"][0]
     assert cache.dtype == torch.int32 and cache.shape == (4, 64, 164)  # 656-byte rows as words
@@ -174,26 +175,29 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True, sched)
     assert sparse_recorder["steps"][1][3] is None
     assert not any(sparse_recorder["topk_length"][1:])
-    assert sparse_recorder["scheduler"][1][1].tolist() == [128, 128, 128]  # the planner's lengths
+    assert sparse_recorder["scheduler"][1][2].tolist() == [128, 128, 128]  # the planner's lengths
     with pytest.raises(ValueError, match="attn_sink"):
         cute.sparse_decode(q, k_cache, indices, None, sink, 0.25, meta, False, sched)
 
 
-@pytest.mark.parametrize("lengths,parts,combine", [
-    ([5, 0, 2000], 5, True),  # the 32-block request is split over parts
-    ([5, 0, 200], 5, False),  # every request fits one part
-    ([4096] * 128, 66, False),  # the dense b = 128, 4K, h_q = 128 benchmark row: two requests a part
-    ([8192] * 128, 66, True),
+@pytest.mark.parametrize("lengths,parts,slack,combine", [
+    ([5, 0, 2000], 5, 4, True),  # the 32-block request is split over parts
+    ([5, 0, 200], 5, 4, False),  # every request fits one part
+    ([4096] * 128, 66, 4, False),  # the dense b = 128, 4K, h_q = 128 benchmark row: two requests a part
+    ([4096] * 128, 66, 0, False),
+    ([8192] * 128, 66, 4, False),  # two whole requests a part cost 3 blocks more than the payload
+    ([8192] * 128, 66, 2, True),
+    ([8192] * 128, 66, 0, True),  # FlashMLA's plan splits
 ])
-def test_dense_combine_only_when_the_plan_splits(recorder, lengths, parts, combine):
+def test_dense_combine_only_when_the_plan_splits(recorder, lengths, parts, slack, combine):
     """A plan that splits no request leaves the combine out: each part writes its outputs itself."""
     from mla_cute.api import get_mla_metadata
     from mla_cute.backends import cute
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, plan_splits
 
-    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts)
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts, unsplit_slack=slack)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    _, num_splits = plan_splits(seqlens, parts, 64, sched.split_fixed_cost)
+    _, num_splits = plan_splits(seqlens, parts, 64, sched.split_fixed_cost, sched.plan_slack(2 * 12))
     assert bool((num_splits.diff() > 1).any()) == combine
     q, k_cache, block_table, _ = _inputs(b=len(lengths), h_kv=1, page=64)
     cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, get_mla_metadata()[0], True, sched, seqlens)
@@ -274,6 +278,28 @@ def test_combine_chunked_batch_rule(kind):
         with pytest.raises(ValueError, match="combine_chunked_batch must be an int >= 0"):
             cls(combine_chunked_batch=bad).validate()
     assert cls().kernel_key() != cls(combine_chunked_batch=0).kernel_key()
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_split_policy_rules(kind):
+    """The planner's fields: ints >= 0 (``num_sm_parts`` >= 1 or None); the slack for whole requests grows
+    with the query rows (one unit per 64) and acts on the host plan only, not on the kernel."""
+    from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
+
+    cls = DenseDecodeSchedule if kind == "dense" else SparseDecodeSchedule
+    assert cls().unsplit_slack == (4 if kind == "dense" else 0)
+    for name in ("split_fixed_cost", "unsplit_slack"):
+        cls(**{name: 0}).validate()
+        for bad in (-1, True, 2.0, "3", None):
+            with pytest.raises(ValueError, match=f"{name} must be an int >= 0"):
+                cls(**{name: bad}).validate()
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="num_sm_parts must be None or an int >= 1"):
+            cls(num_sm_parts=bad).validate()
+    sched = cls(unsplit_slack=3)
+    assert [sched.plan_slack(rows) for rows in (1, 16, 64, 65, 128, 256)] == [3, 3, 3, 6, 6, 12]
+    assert cls(unsplit_slack=0).plan_slack(256) == 0
+    assert sched.kernel_key() == cls(unsplit_slack=0).kernel_key()
 
 
 def test_sparse_consumer_split_is_a_schedule_field():

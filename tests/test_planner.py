@@ -15,15 +15,16 @@ from mla_cute.schedules import RECORD_FIELDS, num_sm_parts_for, plan_splits
 BLOCK_N = 64
 
 
-def check_plan(lens, num_parts, fixed_cost, records, num_splits):
-    """Assert every documented property of (records, num_splits) for `lens`."""
+def check_plan(lens, num_parts, fixed_cost, records, num_splits, capacity=None):
+    """Assert every documented property of (records, num_splits) for `lens`; ``capacity``: the most a
+    part may cost (default: FlashMLA's payload)."""
     b = len(lens)
     assert records.dtype == torch.int32 and records.shape == (num_parts, len(RECORD_FIELDS))
     assert num_splits.dtype == torch.int32 and num_splits.shape == (b + 1,)
     # A length-0 request still costs one block: its part writes the empty result.
     nblocks = [max(math.ceil(n / BLOCK_N), 1) for n in lens]
     total = sum(nb + fixed_cost for nb in nblocks)
-    payload = -(-total // num_parts) + fixed_cost
+    payload = -(-total // num_parts) + fixed_cost if capacity is None else capacity
 
     covered = [[] for _ in range(b)]  # (begin, end) pieces of each request, in part order
     prev_end = (0, 0)  # (req, block) just past the previous part's work
@@ -208,12 +209,75 @@ def test_accepts_other_int_dtypes():
 
 
 @pytest.mark.parametrize(
-    "lens,num_parts,block_n,fixed_cost",
-    [([1], 0, 64, 5), ([1], 1, 0, 5), ([1], 1, 64, -1), ([], 4, 64, 5), ([3, -1], 4, 64, 5)],
+    "lens,num_parts,block_n,fixed_cost,slack",
+    [([1], 0, 64, 5, 0), ([1], 1, 0, 5, 0), ([1], 1, 64, -1, 0), ([], 4, 64, 5, 0), ([3, -1], 4, 64, 5, 0),
+     ([1], 1, 64, 5, -1)],
 )
-def test_rejects_bad_arguments(lens, num_parts, block_n, fixed_cost):
+def test_rejects_bad_arguments(lens, num_parts, block_n, fixed_cost, slack):
     with pytest.raises(ValueError):
-        plan_splits(torch.tensor(lens, dtype=torch.int32), num_parts, block_n, fixed_cost)
+        plan_splits(torch.tensor(lens, dtype=torch.int32), num_parts, block_n, fixed_cost, slack)
+
+
+# ----------------------------------------------------------------------------- whole requests
+
+
+def _best_whole_capacity(costs, num_parts):
+    """The smallest largest-part cost over every way to cut ``costs`` in order into at most ``num_parts``
+    contiguous parts (exhaustive dynamic programme, the oracle of the planner's bisection)."""
+    b = len(costs)
+    prefix = [0] + list(_prefix(costs))
+    inf = float("inf")
+    best = [[inf] * (b + 1) for _ in range(num_parts + 1)]  # best[k][i]: first i requests in k parts
+    best[0][0] = 0
+    for k in range(1, num_parts + 1):
+        for i in range(b + 1):
+            best[k][i] = min(max(best[k - 1][j], prefix[i] - prefix[j]) for j in range(i + 1))
+    return best[num_parts][b]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_unsplit_slack_keeps_requests_whole_when_cheap(seed):
+    """With a slack the plan splits nothing whenever a whole packing costs at most payload + slack, and
+    then its largest part is the smallest possible; otherwise it is FlashMLA's plan unchanged."""
+    from mla_cute.schedules import plan_has_split
+
+    rng = random.Random(500 + seed)
+    outcomes = set()
+    for _ in range(40):
+        b = rng.randint(1, 24)
+        lens = [rng.randint(0, rng.choice([64, 640, 4096])) for _ in range(b)]
+        if rng.random() < 0.3:
+            lens = [lens[0]] * b  # uniform lengths, as in the benchmark rows
+        num_parts = rng.choice([1, 2, 3, 5, 8, 13])
+        fixed_cost, slack = rng.choice([0, 5]), rng.choice([1, 3, 12, 40])
+        costs = [max(math.ceil(n / BLOCK_N), 1) + fixed_cost for n in lens]
+        payload = -(-sum(costs) // num_parts) + fixed_cost
+        best = _best_whole_capacity(costs, num_parts)
+        records, num_splits = plan_splits(torch.tensor(lens), num_parts, BLOCK_N, fixed_cost, slack)
+        flash = plan_splits(torch.tensor(lens), num_parts, BLOCK_N, fixed_cost)
+        if best <= payload + slack:
+            splits = check_plan(lens, num_parts, fixed_cost, records, num_splits, capacity=best)
+            assert splits == [1] * b
+            assert not plan_has_split(torch.tensor(lens), num_parts, BLOCK_N, fixed_cost, slack)
+            outcomes.add("whole")
+        else:
+            assert torch.equal(records, flash[0]) and torch.equal(num_splits, flash[1])
+            outcomes.add("flashmla")
+    assert outcomes == {"whole", "flashmla"}
+
+
+@pytest.mark.parametrize("s_k,slack,whole", [(4096, 12, True), (4096, 0, False), (8192, 12, True), (8192, 8, False),
+                                             (16384, 12, False)])
+def test_unsplit_slack_on_the_s_q_2_benchmark_rows(s_k, slack, whole):
+    """b = 128, s_q = 2, h_q = 128 (33 parts): four whole requests a part cost 3 (4K) and 11 (8K) blocks
+    more than FlashMLA's payload, 26 at 16K."""
+    lens = [s_k] * 128
+    records, num_splits = plan_splits(torch.tensor(lens), 33, BLOCK_N, 5, slack)
+    splits = check_plan(lens, 33, 5, records, num_splits, capacity=4 * (s_k // 64 + 5) if whole else None)
+    assert (splits == [1] * 128) == whole
+    if whole:
+        busy = records[records[:, 0] <= records[:, 1]]
+        assert len(busy) == 32 and torch.all(busy[:, 1] - busy[:, 0] == 3)
 
 
 # ----------------------------------------------------------------------------- part count

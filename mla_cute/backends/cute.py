@@ -66,8 +66,9 @@ def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool) -> None:
         raise NotImplementedError("k_cache needs a contiguous last dimension, 16-byte aligned base and strides")
 
 
-def _split_workspace(meta, lengths, parts: int, fixed_cost: int, b: int, h_kv: int, rows: int, device):
-    """Run the GPU scheduler over ``lengths`` into the metadata, and allocate the fp32 partials.
+def _split_workspace(meta, lengths, parts: int, fixed_cost: int, slack: int, b: int, h_kv: int, rows: int, device):
+    """Run the GPU scheduler (fixed cost and slack for whole requests, in blocks) over ``lengths`` into the
+    metadata, and allocate the fp32 partials.
 
     At most one partial per request plus one extra per part (a part splits at most one request).
     """
@@ -75,7 +76,7 @@ def _split_workspace(meta, lengths, parts: int, fixed_cost: int, b: int, h_kv: i
 
     sched = torch.empty(parts, 8, dtype=torch.int32, device=device)
     splits = torch.empty(b + 1, dtype=torch.int32, device=device)
-    compile_scheduler(fixed_cost)(lengths, sched, splits)
+    compile_scheduler(fixed_cost, slack)(lengths, sched, splits)
     meta.tile_scheduler_metadata, meta.num_splits = sched, splits
     o_accum = torch.empty(b + parts, h_kv, rows, 512, dtype=torch.float32, device=device)
     lse_accum = torch.empty(b + parts, h_kv, rows, dtype=torch.float32, device=device)
@@ -122,10 +123,12 @@ class DensePlan:
         # host (``host_lengths``, read by the first call's value checks; None inside a capture) the
         # host planner tells whether any request is split; if none is, the combine is left out.
         self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=True)
-        if host_lengths is not None and not plan_has_split(host_lengths, parts, 64, schedule.split_fixed_cost):
+        rows = s_q * (h_q // h_kv)
+        slack = schedule.plan_slack(rows)
+        if host_lengths is not None and not plan_has_split(host_lengths, parts, 64, schedule.split_fixed_cost, slack):
             self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=False)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, cache_seqlens, parts, schedule.split_fixed_cost, b, h_kv, s_q * (h_q // h_kv), q.device
+            meta, cache_seqlens, parts, schedule.split_fixed_cost, slack, b, h_kv, rows, q.device
         )
 
 
@@ -185,7 +188,7 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
     schedule.validate()
     for with_combine in (True, False):  # a plan that splits no request leaves the combine out
         compile_dense_decode(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, schedule, with_combine=with_combine)
-    compile_scheduler(schedule.split_fixed_cost)
+    compile_scheduler(schedule.split_fixed_cost, schedule.plan_slack(s_q * (h_q // h_kv)))
 
 
 # ---------------------------------------------------------------- sparse FP8 decode
@@ -221,19 +224,20 @@ class SparsePlan:
         given = topk_length is not None
         self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True, has_topk_length=given)
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not given and not capturing and not _topk_plan_has_split(b, topk, parts, schedule.split_fixed_cost):
+        slack = schedule.plan_slack(s_q * h_q)
+        if not given and not capturing and not _topk_plan_has_split(b, topk, parts, schedule.split_fixed_cost, slack):
             self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False, has_topk_length=False)
         lengths = (topk_length if given else torch.full((b,), topk, dtype=torch.int32, device=q.device)).clamp(1, topk)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, lengths, parts, schedule.split_fixed_cost, b, 1, s_q * h_q, q.device
+            meta, lengths, parts, schedule.split_fixed_cost, slack, b, 1, s_q * h_q, q.device
         )
 
 
 @functools.lru_cache(maxsize=64)
-def _topk_plan_has_split(b: int, topk: int, parts: int, fixed_cost: int) -> bool:
+def _topk_plan_has_split(b: int, topk: int, parts: int, fixed_cost: int, slack: int) -> bool:
     """Whether the plan of ``b`` requests of ``topk`` tokens each splits one: the same on every decode
     step, so the host walk runs once."""
-    return plan_has_split(torch.full((b,), topk, dtype=torch.int64), parts, 64, fixed_cost)
+    return plan_has_split(torch.full((b,), topk, dtype=torch.int64), parts, 64, fixed_cost, slack)
 
 
 def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
@@ -301,4 +305,4 @@ def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_to
     compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True, has_topk_length=has_topk_length)
     if not has_topk_length:  # a plan that splits no request leaves the combine out (known only without lengths)
         compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False)
-    compile_scheduler(schedule.split_fixed_cost)
+    compile_scheduler(schedule.split_fixed_cost, schedule.plan_slack(s_q * h_q))
