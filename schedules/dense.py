@@ -35,9 +35,9 @@ class DenseDecodeSchedule:
         tile of a KV head's query rows (``plan_slack``; ``schedules/planner.py``): a split costs the fp32
         partials and the combine kernel, neither counted by the fixed cost per piece, and both grow with
         the query rows.  Measured on the H200 (docs/performance.md, entry 27), b = 128, h_q = 128: whole
-        plans 3 and 11 blocks dearer were 1-6% faster at s_q = 2 (4K, 8K; 4 M tiles) and one 3 blocks
-        dearer 2% faster at s_q = 1, 8K (2 M tiles), but one 10 blocks dearer 0-3% slower at s_q = 1, 16K.
-        0: FlashMLA's plan.
+        plans 3 and 11 blocks dearer were 1.5-7% and 0.7-6% faster at s_q = 2 (4K, 8K; 4 M tiles), one 3
+        blocks dearer 0.7-2.4% faster at s_q = 1, 8K (2 M tiles), but one 10 blocks dearer up to 3% slower
+        at s_q = 1, 16K.  0: FlashMLA's plan.
     num_sm_parts: CTAs per (KV head, M tile); None = FlashMLA's rule from the SM count.
     cross_term_first: seesaw kernel only: warpgroup 1 issues P0 V0_R (the cross term, P0 at warpgroup 0's
         row max) before its own softmax, and P1 V1_R right behind it; a buffer's right half refills a
