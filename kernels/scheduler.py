@@ -51,6 +51,7 @@ class SchedulerKernel:
             num_parts = mSched.shape[0]
             total = cutlass.Int32(0)
             largest = cutlass.Int32(0)
+            # Unrolled by 4 here and in ``parts_whole``: four loads of lengths in flight, not one.
             for i in cutlass.range(b, unroll=4):
                 c = self.last_block(mSeqlens, i) + 1 + fixed
                 total += c
