@@ -70,8 +70,10 @@ def _describe(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) -> str:
 def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int,
                          schedule: DenseDecodeSchedule, options: str = "", *, with_combine: bool = False):
     """The compiled dense decode split kernel for these static facts (``with_combine``: split + combine
-    behind one host entry, as the runtime calls it)."""
+    behind one host entry, as the runtime calls it).  ``kv_evict_first=None`` (chosen per plan) builds the
+    kernel for a plan the host does not know; the runtime passes ``schedule.for_plan(...)``."""
     schedule.validate()
+    schedule = schedule.for_plan(None)
     key = dense_decode_key(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) + (options, with_combine)
 
     def build():

@@ -15,8 +15,8 @@ from .sparse import (
     SERIAL_SPARSE_SCHEDULE,
     SparseDecodeSchedule,
 )
-from .planner import (RECORD_FIELDS, RECORD_SIZE, num_sm_parts_for, plan_has_split, plan_splits, sparse_lengths,
-                      sparse_num_sm_parts_for)
+from .planner import (RECORD_FIELDS, RECORD_SIZE, num_sm_parts_for, plan_facts, plan_has_split, plan_splits,
+                      sparse_lengths, sparse_num_sm_parts_for)
 
 __all__ = [
     "DEFAULT_DENSE_SCHEDULE",
@@ -33,6 +33,7 @@ __all__ = [
     "RECORD_FIELDS",
     "RECORD_SIZE",
     "num_sm_parts_for",
+    "plan_facts",
     "plan_has_split",
     "plan_splits",
     "sparse_lengths",

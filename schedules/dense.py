@@ -28,7 +28,15 @@ class DenseDecodeSchedule:
         Measured slower on the H200, so off.
     kv_evict_first: load KV tiles with the L2 evict-first policy (they are read once, FlashMLA
         sets it).  Measured no faster with the serial kernel and 0-2% slower with the seesaw on
-        the H200, so off.
+        the H200 on plans whose parts read 124 or more tiles, so off by default.  None: chosen per
+        plan: on when the host knows the plan (the first call's lengths; not inside a CUDA graph
+        capture) and its busiest part reads at most ``evict_first_tiles`` KV tiles, else off.  With
+        the seesaw and the load warpgroup, h_q = 128 (docs/performance.md, entry 28): 7.5-7.8% faster at
+        b = 1, 64K (16 tiles a part), 3.9-4.2% at b = 1, 128K (32), 0.7-2.5% at 63, none at 125-128.
+        Not the default yet: ``precompile`` then builds twice the kernels, and the GPU tests ran it on the
+        tile-position cases and b = 1, 128K only.
+    evict_first_tiles: with ``kv_evict_first=None``, the most tiles the busiest part of a plan may read
+        for its loads to be evict-first.
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     unsplit_slack: the planner keeps every request whole when a plan that splits nothing costs a part at
         most ``unsplit_slack`` 64-token blocks more than the payload of FlashMLA's plan for each 64-row M
@@ -70,7 +78,8 @@ class DenseDecodeSchedule:
 
     kv_stages: int = 2
     qk_prefetch: bool = False
-    kv_evict_first: bool = False
+    kv_evict_first: Optional[bool] = False
+    evict_first_tiles: int = 64
     seesaw: bool = True
     split_fixed_cost: int = 5
     unsplit_slack: int = 4
@@ -120,6 +129,14 @@ class DenseDecodeSchedule:
             small = 2 * 64 * 4 * 2 + 64 * 8 * (self.kv_stages + 2)
         return q + kv + p + small
 
+    def for_plan(self, busiest_tiles: Optional[int]) -> "DenseDecodeSchedule":
+        """This schedule with ``kv_evict_first`` decided for a plan whose busiest part reads ``busiest_tiles``
+        KV tiles (None: a plan the host does not know), so a kernel can be built from it."""
+        if self.kv_evict_first is not None:
+            return self
+        evict = busiest_tiles is not None and busiest_tiles <= self.evict_first_tiles
+        return dataclasses.replace(self, kv_evict_first=evict)
+
     def plan_slack(self, rows_per_kv_head: int) -> int:
         """The planner's ``unsplit_slack`` in blocks for a KV head with ``rows_per_kv_head`` query rows."""
         return self.unsplit_slack * -(-rows_per_kv_head // 64)
@@ -130,7 +147,10 @@ class DenseDecodeSchedule:
         check_bool("qk_prefetch", self.qk_prefetch)
         if self.qk_prefetch and self.kv_stages < 2:
             raise ValueError("qk_prefetch needs kv_stages >= 2 (the next tile must be resident)")
-        check_bool("kv_evict_first", self.kv_evict_first)
+        if self.kv_evict_first is not None:
+            check_bool("kv_evict_first", self.kv_evict_first)
+        if type(self.evict_first_tiles) is not int or self.evict_first_tiles < 0:
+            raise ValueError(f"evict_first_tiles must be an int >= 0, got {self.evict_first_tiles!r}")
         check_bool("seesaw", self.seesaw)
         if self.seesaw and self.kv_stages != 2:
             raise ValueError(f"seesaw needs kv_stages == 2 (one tile pair), got {self.kv_stages}; "

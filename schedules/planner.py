@@ -89,9 +89,24 @@ def plan_has_split(seqlens: torch.Tensor, num_parts: int, block_n: int = 64, fix
                    unsplit_slack: int = 0) -> bool:
     """Whether ``plan_splits`` (hence the scheduler kernel) splits a request over parts, so a combine must
     merge partials.  Without a split every request's output comes from one part, which writes it."""
+    return plan_facts(seqlens, num_parts, block_n, fixed_cost, unsplit_slack)[0]
+
+
+def plan_facts(seqlens: torch.Tensor, num_parts: int, block_n: int = 64, fixed_cost: int = 5,
+               unsplit_slack: int = 0) -> tuple[bool, int]:
+    """(``plan_has_split``, the most KV blocks any one part of ``plan_splits``'s plan reads), from one walk."""
     lens = _host_lengths(seqlens, num_parts, block_n, fixed_cost, unsplit_slack)
-    _, num_splits = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack)
-    return any(b - a > 1 for a, b in zip(num_splits, num_splits[1:]))
+    records, num_splits = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack)
+    num_blocks = [max(n - 1, 0) // block_n + 1 for n in lens]
+    busiest = 0
+    for begin_req, end_req, begin_block, end_block, *_ in records:
+        blocks = 0
+        for req in range(begin_req, end_req + 1):
+            start = begin_block if req == begin_req else 0
+            end = end_block if req == end_req and lens[req] != 0 else num_blocks[req]
+            blocks += end - start
+        busiest = max(busiest, blocks)
+    return any(b - a > 1 for a, b in zip(num_splits, num_splits[1:])), busiest
 
 
 def _host_lengths(seqlens: torch.Tensor, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int) -> list:

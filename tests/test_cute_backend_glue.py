@@ -25,6 +25,7 @@ def recorder(monkeypatch):
     def compile_dense_decode(dtype, s_q, h_q, h_kv, causal, page, schedule, options="", *, with_combine=False):
         calls["compile"] += 1
         calls["static"] = (dtype, s_q, h_q, h_kv, causal, page, schedule)
+        calls.setdefault("built", []).append((schedule.kv_evict_first, with_combine))
 
         def step(*args):
             calls["steps"].append(args)
@@ -221,13 +222,51 @@ def test_sparse_combine_only_when_the_plan_splits(sparse_recorder):
         assert sparse_recorder["combine"][-1] == combine, (parts, topk_length)
 
 
+@pytest.mark.parametrize("lengths,parts,evict,combine", [
+    ([131072], 66, True, True),  # b = 1, 128K: 32 tiles a part, split
+    ([65536] * 2, 66, True, True),  # 32 tiles a part
+    ([131072] * 2, 66, False, True),  # 63 tiles a part with evict_first_tiles=48
+    ([4096] * 128, 66, False, False),  # two whole requests a part: 128 tiles
+    ([1024] * 128, 66, True, False),  # two whole requests a part: 32 tiles
+])
+def test_evict_first_chosen_per_plan(recorder, lengths, parts, evict, combine):
+    """``kv_evict_first=None``: the plan's busiest part decides; without the lengths on the host (a CUDA graph
+    capture) the loads stay normal; an explicit value holds for every plan."""
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, plan_facts
+
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts, kv_evict_first=None, evict_first_tiles=48)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    split, busiest = plan_facts(seqlens, parts, 64, sched.split_fixed_cost, sched.plan_slack(2 * 12))
+    assert (split, busiest <= 48) == (combine, evict)
+    q, k_cache, block_table, _ = _inputs(b=len(lengths), h_kv=1, page=64)
+    meta = get_mla_metadata()[0]
+    cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, True, sched, seqlens)
+    assert recorder["built"][-1] == (evict, combine) and recorder["combine"] == [combine]
+    assert meta._state["dense"].kernel_schedule == dataclasses.replace(sched, kv_evict_first=evict)
+    assert meta._state["dense"].schedule is sched  # later calls compare the caller's schedule
+    # The kernel a capture needs (normal loads, with the combine) was loaded first in any case.
+    assert recorder["built"][0] == (False, True)
+    cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, get_mla_metadata()[0], True, sched)
+    assert recorder["built"][-1] == (False, True) and recorder["combine"][-1]
+    for fixed in (False, True):
+        cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, get_mla_metadata()[0], True,
+                          dataclasses.replace(sched, kv_evict_first=fixed), seqlens)
+        assert recorder["built"][-1][0] == fixed
+
+
 def test_precompile_loads_both_entries(recorder, sparse_recorder):
     """Whether a plan needs the combine is known only at its first call, so precompiling loads both."""
     from mla_cute.backends import cute
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SparseDecodeSchedule
 
     cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64, DEFAULT_DENSE_SCHEDULE)
-    assert recorder["compile"] == 2
+    assert recorder["built"] == [(False, True), (False, False)]
+    # Evict-first loads chosen per plan: the kernels with them too.
+    cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64,
+                          dataclasses.replace(DEFAULT_DENSE_SCHEDULE, kv_evict_first=None))
+    assert recorder["built"][2:] == [(False, True), (False, False), (True, True), (True, False)]
     cute.precompile_sparse(2, 128, False, SparseDecodeSchedule())
     assert len(sparse_recorder["compile"]) == 2
     # With topk_length the lengths live on the device, so every plan keeps the combine: one entry.
@@ -300,6 +339,23 @@ def test_split_policy_rules(kind):
     assert [sched.plan_slack(rows) for rows in (1, 16, 64, 65, 128, 256)] == [3, 3, 3, 6, 6, 12]
     assert cls(unsplit_slack=0).plan_slack(256) == 0
     assert sched.kernel_key() == cls(unsplit_slack=0).kernel_key()
+
+
+def test_evict_first_per_plan_rules():
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
+
+    assert DEFAULT_DENSE_SCHEDULE.kv_evict_first is False  # per plan is a choice, not yet the default
+    per_plan = DenseDecodeSchedule(kv_evict_first=None, evict_first_tiles=40)
+    per_plan.validate()
+    assert per_plan.for_plan(None).kv_evict_first is False
+    assert per_plan.for_plan(40).kv_evict_first is True and per_plan.for_plan(41).kv_evict_first is False
+    for fixed in (False, True):
+        assert DenseDecodeSchedule(kv_evict_first=fixed).for_plan(1).kv_evict_first is fixed
+    for bad in (-1, True, 8.0, None):
+        with pytest.raises(ValueError, match="evict_first_tiles must be an int >= 0"):
+            DenseDecodeSchedule(kv_evict_first=None, evict_first_tiles=bad).validate()
+    with pytest.raises(ValueError, match="kv_evict_first must be a bool"):
+        DenseDecodeSchedule(kv_evict_first=1).validate()
 
 
 def test_sparse_consumer_split_is_a_schedule_field():

@@ -128,6 +128,32 @@ def test_plan_has_split_reads_the_split_counts(seed):
     assert seen == {False, True}
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_facts_read_the_records(seed):
+    """``plan_facts``: whether the plan splits, and the most blocks one part reads (empty requests count one)."""
+    from mla_cute.schedules import plan_facts
+
+    rng = random.Random(200 + seed)
+    for _ in range(40):
+        lens = [rng.choice([0, rng.randint(1, 64), rng.randint(1, 20000)]) for _ in range(rng.randint(1, 60))]
+        num_parts, fixed_cost, slack = rng.choice([1, 7, 33, 66, 132]), rng.choice([0, 5]), rng.choice([0, 8])
+        records, num_splits = plan_splits(torch.tensor(lens), num_parts, BLOCK_N, fixed_cost, slack)
+        nblocks = [max(math.ceil(n / BLOCK_N), 1) for n in lens]
+        busiest = 0
+        for rec in records.tolist():
+            f = dict(zip(RECORD_FIELDS, rec))
+            blocks = 0
+            for r in range(f["begin_req"], f["end_req"] + 1):
+                start = f["begin_block"] if r == f["begin_req"] else 0
+                end = f["end_block"] if r == f["end_req"] and lens[r] else nblocks[r]
+                blocks += end - start
+            busiest = max(busiest, blocks)
+        split = bool((num_splits.diff() > 1).any())
+        assert plan_facts(torch.tensor(lens), num_parts, BLOCK_N, fixed_cost, slack) == (split, busiest)
+    assert plan_facts(torch.tensor([131072]), 66)[1] == 32
+    assert plan_facts(torch.tensor([4096] * 128), 66) == (False, 128)
+
+
 @pytest.mark.parametrize("num_parts", [1, 3, 132])
 def test_some_zero_lengths(num_parts):
     rng = random.Random(num_parts)

@@ -9,6 +9,7 @@ request).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Optional
@@ -17,7 +18,7 @@ import torch
 
 from ..backend import num_sms
 from ..fp8 import FP8_BYTES_PER_TOKEN
-from ..schedules import num_sm_parts_for, plan_has_split, sparse_num_sm_parts_for
+from ..schedules import num_sm_parts_for, plan_facts, plan_has_split, sparse_num_sm_parts_for
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.sparse import SparseDecodeSchedule
 
@@ -107,7 +108,8 @@ class DensePlan:
     """What a metadata object holds for the cute backend: compiled step, workspace, launch constants,
     and the facts (``replay_plan``) and q row shape of the last call that passed every check."""
 
-    __slots__ = ("schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype", "facts", "q_rows")
+    __slots__ = ("schedule", "kernel_schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype",
+                 "facts", "q_rows")
 
     def __init__(self, q, k_cache, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens, host_lengths):
         from ..kernels.build import compile_dense_decode
@@ -118,15 +120,23 @@ class DensePlan:
         self.schedule, self.b, self.s_q, self.h_q, self.h_kv, self.dtype = schedule, b, s_q, h_q, h_kv, q.dtype
         self.facts = self.q_rows = None
         parts = schedule.num_sm_parts or num_sm_parts_for(num_sms(q.device), s_q, h_q, h_kv)
-        # The step with the combine is loaded in any case: a CUDA graph captured later plans on the
-        # device and needs it, and nothing can be loaded during a capture.  With the lengths on the
-        # host (``host_lengths``, read by the first call's value checks; None inside a capture) the
-        # host planner tells whether any request is split; if none is, the combine is left out.
-        self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=True)
+        # The step with the combine, for a plan the host does not know, is loaded in any case: a CUDA
+        # graph captured later plans on the device and needs it, and nothing can be loaded during a
+        # capture.  With the lengths on the host (``host_lengths``, read by the first call's value
+        # checks; None inside a capture) the host planner tells whether any request is split (if none
+        # is, the combine is left out) and how many tiles its busiest part reads (``kv_evict_first=None``
+        # decides the loads' cache policy on it).
+        self.kernel_schedule = schedule.for_plan(None)
+        self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, self.kernel_schedule,
+                                         with_combine=True)
         rows = s_q * (h_q // h_kv)
         slack = schedule.plan_slack(rows)
-        if host_lengths is not None and not plan_has_split(host_lengths, parts, 64, schedule.split_fixed_cost, slack):
-            self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, schedule, with_combine=False)
+        if host_lengths is not None:
+            split, busiest = plan_facts(host_lengths, parts, 64, schedule.split_fixed_cost, slack)
+            chosen = schedule.for_plan(busiest)
+            if not split or chosen != self.kernel_schedule:
+                self.kernel_schedule = chosen
+                self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, chosen, with_combine=split)
         self.o_accum, self.lse_accum = _split_workspace(
             meta, cache_seqlens, parts, schedule.split_fixed_cost, slack, b, h_kv, rows, q.device
         )
@@ -186,8 +196,13 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
     from ..kernels.build import compile_dense_decode, compile_scheduler
 
     schedule.validate()
-    for with_combine in (True, False):  # a plan that splits no request leaves the combine out
-        compile_dense_decode(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, schedule, with_combine=with_combine)
+    kernels = [schedule.for_plan(None)]
+    if schedule.kv_evict_first is None:  # chosen per plan: the kernel with evict-first loads too
+        kernels.append(dataclasses.replace(schedule, kv_evict_first=True))
+    for kernel_schedule in kernels:
+        for with_combine in (True, False):  # a plan that splits no request leaves the combine out
+            compile_dense_decode(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, kernel_schedule,
+                                 with_combine=with_combine)
     compile_scheduler(schedule.split_fixed_cost, schedule.plan_slack(s_q * (h_q // h_kv)))
 
 
