@@ -97,7 +97,7 @@ def plan_facts(seqlens: torch.Tensor, num_parts: int, block_n: int = 64, fixed_c
     """(``plan_has_split``, the most KV blocks any one part of ``plan_splits``'s plan reads), from one walk."""
     lens = _host_lengths(seqlens, num_parts, block_n, fixed_cost, unsplit_slack)
     records, num_splits = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack)
-    num_blocks = [max(n - 1, 0) // block_n + 1 for n in lens]
+    num_blocks = _num_blocks(lens, block_n)
     busiest = 0
     for begin_req, end_req, begin_block, end_block, *_ in records:
         blocks = 0
@@ -125,6 +125,11 @@ def _host_lengths(seqlens: torch.Tensor, num_parts: int, block_n: int, fixed_cos
     if min(lens) < 0:
         raise ValueError(f"seqlens must be >= 0, got min {min(lens)}")
     return lens
+
+
+def _num_blocks(lens: list, block_n: int) -> list:
+    """Blocks per request; length 0 still has block 0 (its part writes the empty result)."""
+    return [max(n - 1, 0) // block_n + 1 for n in lens]
 
 
 def _parts_whole(costs: list, capacity: int) -> int:
@@ -156,14 +161,13 @@ def _whole_capacity(costs: list, num_parts: int, payload: int, unsplit_slack: in
     return lo
 
 
-def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int = 0) -> tuple[list, list]:
+def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int) -> tuple[list, list]:
     """The greedy walk: (one record per part as a list, the prefix sums of the split counts).  Plain
     Python lists: the runtime runs it on a plan's first call, and a tensor per part cost about 10 us
     each."""
     b = len(lens)
-    # Blocks [first, last] per request; length 0 still has block 0 (written as empty).
-    last_block = [max(n - 1, 0) // block_n for n in lens]
-    num_blocks = [lb + 1 for lb in last_block]
+    num_blocks = _num_blocks(lens, block_n)
+    last_block = [nb - 1 for nb in num_blocks]
     total = sum(nb + fixed_cost for nb in num_blocks)
     payload = -(-total // num_parts) + fixed_cost
     whole = None
