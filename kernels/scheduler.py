@@ -29,12 +29,17 @@ class SchedulerKernel:
         return (cutlass.max(mSeqlens[req] - 1, 0)) // BLOCK_N
 
     @cute.jit
+    def request_cost(self, mSeqlens, req):
+        """The planner's cost of a request: its blocks and the fixed cost."""
+        return self.last_block(mSeqlens, req) + 1 + self.fixed_cost
+
+    @cute.jit
     def parts_whole(self, mSeqlens, capacity):
         """The planner's ``_parts_whole``: parts taken by whole requests packed in order."""
         parts = cutlass.Int32(1)
         fill = cutlass.Int32(0)
         for i in cutlass.range(mSeqlens.shape[0], unroll=4):
-            c = self.last_block(mSeqlens, i) + 1 + self.fixed_cost
+            c = self.request_cost(mSeqlens, i)
             if fill + c > capacity:
                 parts += 1
                 fill = c
@@ -53,7 +58,7 @@ class SchedulerKernel:
             largest = cutlass.Int32(0)
             # Unrolled by 4 here and in ``parts_whole``: four loads of lengths in flight, not one.
             for i in cutlass.range(b, unroll=4):
-                c = self.last_block(mSeqlens, i) + 1 + fixed
+                c = self.request_cost(mSeqlens, i)
                 total += c
                 largest = cutlass.max(largest, c)
             payload = (total + num_parts - 1) // num_parts + fixed

@@ -81,7 +81,7 @@ def plan_splits(
         (records int32 ``[num_parts, 8]``, num_splits int32 ``[b + 1]``), on the CPU.
     """
     lens = _host_lengths(seqlens, num_parts, block_n, fixed_cost, unsplit_slack)
-    records, num_splits = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack)
+    records, num_splits, _ = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack)
     return torch.tensor(records, dtype=torch.int32).view(num_parts, RECORD_SIZE), torch.tensor(num_splits, dtype=torch.int32)
 
 
@@ -96,16 +96,7 @@ def plan_facts(seqlens: torch.Tensor, num_parts: int, block_n: int = 64, fixed_c
                unsplit_slack: int = 0) -> tuple[bool, int]:
     """(``plan_has_split``, the most KV blocks any one part of ``plan_splits``'s plan reads), from one walk."""
     lens = _host_lengths(seqlens, num_parts, block_n, fixed_cost, unsplit_slack)
-    records, num_splits = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack)
-    num_blocks = _num_blocks(lens, block_n)
-    busiest = 0
-    for begin_req, end_req, begin_block, end_block, *_ in records:
-        blocks = 0
-        for req in range(begin_req, end_req + 1):
-            start = begin_block if req == begin_req else 0
-            end = end_block if req == end_req and lens[req] != 0 else num_blocks[req]
-            blocks += end - start
-        busiest = max(busiest, blocks)
+    _, num_splits, busiest = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack)
     return any(b - a > 1 for a, b in zip(num_splits, num_splits[1:])), busiest
 
 
@@ -161,24 +152,24 @@ def _whole_capacity(costs: list, num_parts: int, payload: int, unsplit_slack: in
     return lo
 
 
-def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int) -> tuple[list, list]:
-    """The greedy walk: (one record per part as a list, the prefix sums of the split counts).  Plain
-    Python lists: the runtime runs it on a plan's first call, and a tensor per part cost about 10 us
-    each."""
+def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int) -> tuple[list, list, int]:
+    """The greedy walk: (one record per part as a list, the prefix sums of the split counts, the most blocks
+    one part reads).  Plain Python lists: the runtime runs it on a plan's first call, and a tensor per part
+    cost about 10 us each."""
     b = len(lens)
     num_blocks = _num_blocks(lens, block_n)
     last_block = [nb - 1 for nb in num_blocks]
-    total = sum(nb + fixed_cost for nb in num_blocks)
-    payload = -(-total // num_parts) + fixed_cost
+    costs = [nb + fixed_cost for nb in num_blocks]
+    payload = -(-sum(costs) // num_parts) + fixed_cost
     whole = None
     if unsplit_slack > 0:
-        whole = _whole_capacity([nb + fixed_cost for nb in num_blocks], num_parts, payload, unsplit_slack)
+        whole = _whole_capacity(costs, num_parts, payload, unsplit_slack)
     if whole is not None:
         payload = whole  # every request fits a part whole: the walk below never splits
 
     records = []
     num_splits = [0] * (b + 1)
-    req, block, split_idx, cum = 0, 0, 0, 0
+    req, block, split_idx, cum, busiest = 0, 0, 0, 0, 0
     for _ in range(num_parts):
         begin_req, begin_block, begin_split = req, block, split_idx
         first_split = block != 0
@@ -194,7 +185,10 @@ def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_sla
                 if whole is None and remain - fixed_cost > 0:
                     block += remain - fixed_cost
                     split_idx += 1
+                    remain = 0  # the piece takes the rest of the payload: its blocks and its fixed cost
                 break
+        pieces = (req - begin_req) + (block > 0)
+        busiest = max(busiest, payload - remain - fixed_cost * pieces)
         if block > 0:
             end_req, end_block = req, block
         else:
@@ -206,4 +200,4 @@ def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_sla
         records.append([begin_req, end_req, begin_block, end_block, begin_split, int(first_split), int(last_split), 0])
     if not (req == b and block == 0 and split_idx == 0):
         raise AssertionError("planner did not place every block (internal error)")
-    return records, num_splits
+    return records, num_splits, busiest
