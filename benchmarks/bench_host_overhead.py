@@ -74,8 +74,7 @@ def main():
     from mla_cute.kernels.build import compile_combine, compile_scheduler
 
     combine = compile_combine(q.dtype, s_q, h_q, 1)
-    scheduler = compile_scheduler(plan.schedule.split_fixed_cost,
-                                  plan.schedule.plan_slack(plan.s_q * (plan.h_q // plan.h_kv)))
+    scheduler = compile_scheduler(*plan.schedule.plan_policy(plan.s_q * (plan.h_q // plan.h_kv)))
     sched, splits = meta.tile_scheduler_metadata, meta.num_splits
     sched_copy, splits_copy = sched.clone(), splits.clone()
 

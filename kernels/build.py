@@ -112,10 +112,10 @@ def compile_combine(torch_dtype, s_q: int, h_q: int, h_kv: int, options: str = "
     return cached_compile(key, build, describe=what, persistent=not options)
 
 
-def compile_scheduler(fixed_cost: int, unsplit_slack: int = 0, options: str = ""):
+def compile_scheduler(fixed_cost: int, unsplit_slack: int = 0, even_split_slack: int = 0, options: str = ""):
     from .scheduler import SchedulerKernel
 
-    key = ("scheduler", fixed_cost, unsplit_slack, options)
+    key = ("scheduler", fixed_cost, unsplit_slack, even_split_slack, options)
 
     def build():
         args = (
@@ -124,9 +124,11 @@ def compile_scheduler(fixed_cost: int, unsplit_slack: int = 0, options: str = ""
             make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
             make_fake_stream(use_tvm_ffi_env_stream=True),
         )
-        return cute.compile(SchedulerKernel(fixed_cost, unsplit_slack), *args, options=compile_options(options))
+        return cute.compile(SchedulerKernel(fixed_cost, unsplit_slack, even_split_slack), *args,
+                            options=compile_options(options))
 
-    return cached_compile(key, build, describe=f"scheduler fixed_cost={fixed_cost} unsplit_slack={unsplit_slack}",
+    what = f"scheduler fixed_cost={fixed_cost} unsplit_slack={unsplit_slack} even_split_slack={even_split_slack}"
+    return cached_compile(key, build, describe=what,
                           persistent=not options)
 
 

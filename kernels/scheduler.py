@@ -4,7 +4,9 @@ It runs on the stream before the split kernel, so the metadata never crosses to 
 host (no synchronisation; capturable in a CUDA graph).  The greedy walk is sequential
 and tiny (b + num_parts steps): one thread does it.  With ``unsplit_slack`` > 0 the
 search for a capacity that keeps every request whole adds a pass over the lengths and
-at most a few more (a bisection over ``fixed_cost + unsplit_slack + 1`` capacities).
+at most a few more (a bisection over ``fixed_cost + unsplit_slack + 1`` capacities), and
+``even_split_slack`` > 0 a bisection over ``even_split_slack + 1`` capacities for the plan of
+even pieces.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ BLOCK_N = 64
 
 
 class SchedulerKernel:
-    def __init__(self, fixed_cost: int, unsplit_slack: int = 0):
+    def __init__(self, fixed_cost: int, unsplit_slack: int = 0, even_split_slack: int = 0):
         self.fixed_cost = fixed_cost
         self.unsplit_slack = unsplit_slack
+        self.even_split_slack = even_split_slack
 
     @cute.jit
     def __call__(self, mSeqlens: cute.Tensor, mSched: cute.Tensor, mNumSplits: cute.Tensor, stream):
@@ -45,6 +48,36 @@ class SchedulerKernel:
                 fill = c
             else:
                 fill += c
+        return parts
+
+    @cute.jit
+    def even_pieces(self, num_blocks, capacity):
+        """How many even pieces a request of ``num_blocks`` takes at ``capacity`` (1: it fits whole)."""
+        pieces = cutlass.Int32(1)
+        if num_blocks + self.fixed_cost > capacity:
+            pieces = (num_blocks + capacity - self.fixed_cost - 1) // (capacity - self.fixed_cost)
+        return pieces
+
+    @cute.jit
+    def parts_even(self, mSeqlens, capacity):
+        """The planner's ``_parts_even``: parts taken by the even plan at ``capacity``."""
+        parts = cutlass.Int32(0)
+        fill = cutlass.Int32(0)
+        for i in cutlass.range(mSeqlens.shape[0], unroll=4):
+            c = self.request_cost(mSeqlens, i)
+            if c <= capacity:
+                if fill + c > capacity:
+                    parts += 1
+                    fill = c
+                else:
+                    fill += c
+            else:
+                if fill > 0:
+                    parts += 1
+                parts += self.even_pieces(c - self.fixed_cost, capacity)
+                fill = 0
+        if fill > 0:
+            parts += 1
         return parts
 
     @cute.kernel
@@ -77,6 +110,22 @@ class SchedulerKernel:
                                 lo = mid + 1
                         whole = 1
                         payload = lo
+            # 2: else the plan of even pieces, at the smallest capacity from the payload up that fits
+            # (the planner's ``_even_capacity``).
+            even = cutlass.Int32(0)
+            if cutlass.const_expr(self.even_split_slack > 0):
+                if whole == 0:
+                    lo = payload
+                    hi = payload + self.even_split_slack
+                    if self.parts_even(mSeqlens, hi) <= num_parts:
+                        while lo < hi:
+                            mid = (lo + hi) // 2
+                            if self.parts_even(mSeqlens, mid) <= num_parts:
+                                hi = mid
+                            else:
+                                lo = mid + 1
+                        even = 1
+                        payload = lo
             req = cutlass.Int32(0)
             block = cutlass.Int32(0)
             split = cutlass.Int32(0)
@@ -92,21 +141,41 @@ class SchedulerKernel:
                 remain = payload
                 go = req < b
                 while go:
-                    left = self.last_block(mSeqlens, req) + 1 - block
-                    if remain >= left + fixed:
-                        cum += split + 1
-                        mNumSplits[req + 1] = cum
-                        remain -= left + fixed
-                        req += 1
-                        block = 0
-                        split = 0
-                        go = req < b
-                    else:
-                        if whole == 0:
-                            if remain - fixed > 0:
-                                block += remain - fixed
+                    blocks = self.last_block(mSeqlens, req) + 1
+                    left = blocks - block
+                    pieces = cutlass.Int32(1)
+                    if even != 0:
+                        pieces = self.even_pieces(blocks, payload)
+                    if pieces > 1:  # an even piece: alone on a part
+                        if remain == payload:
+                            end = (split + 1) * blocks // pieces
+                            remain = 0
+                            if end == blocks:
+                                cum += split + 1
+                                mNumSplits[req + 1] = cum
+                                req += 1
+                                block = 0
+                                split = 0
+                            else:
+                                block = end
                                 split += 1
                         go = False
+                    else:
+                        if remain >= left + fixed:
+                            cum += split + 1
+                            mNumSplits[req + 1] = cum
+                            remain -= left + fixed
+                            req += 1
+                            block = 0
+                            split = 0
+                            go = req < b
+                        else:
+                            if whole == 0:
+                                if even == 0:
+                                    if remain - fixed > 0:
+                                        block += remain - fixed
+                                        split += 1
+                            go = False
                 end_req = req
                 end_block = block
                 if block == 0:

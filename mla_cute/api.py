@@ -404,8 +404,8 @@ def flash_mla_sparse_fwd(
 def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens, schedule) -> None:
     """Give reference users the same metadata tensors the kernels would use."""
     parts = schedule.num_sm_parts or num_sm_parts_for(num_sms(q.device), q.shape[1], q.shape[2], k_cache.shape[2])
-    slack = schedule.plan_slack(q.shape[1] * (q.shape[2] // k_cache.shape[2]))
-    records, splits = plan_splits(cache_seqlens, parts, 64, schedule.split_fixed_cost, slack)
+    policy = schedule.plan_policy(q.shape[1] * (q.shape[2] // k_cache.shape[2]))
+    records, splits = plan_splits(cache_seqlens, parts, 64, *policy)
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
 
@@ -415,8 +415,8 @@ def _fill_sparse_reference_metadata(meta: FlashMLASchedMeta, q, topk: int, topk_
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # planning on the host needs the lengths' values
     parts = schedule.num_sm_parts or sparse_num_sm_parts_for(num_sms(q.device), q.shape[1], q.shape[2])
-    records, splits = plan_splits(sparse_lengths(topk, topk_length, q.shape[0]), parts, 64, schedule.split_fixed_cost,
-                                  schedule.plan_slack(q.shape[1] * q.shape[2]))
+    records, splits = plan_splits(sparse_lengths(topk, topk_length, q.shape[0]), parts, 64,
+                                  *schedule.plan_policy(q.shape[1] * q.shape[2]))
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
 

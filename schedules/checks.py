@@ -17,9 +17,9 @@ def check_bool(name: str, value) -> None:
 
 
 def check_split_policy(schedule) -> None:
-    """``split_fixed_cost``, ``unsplit_slack`` and ``num_sm_parts``: the planner's cost per request piece,
-    its slack for whole requests and the part count."""
-    for name in ("split_fixed_cost", "unsplit_slack"):
+    """``split_fixed_cost``, ``unsplit_slack``, ``even_split_slack`` and ``num_sm_parts``: the planner's cost
+    per request piece, its slacks for whole requests and even pieces, and the part count."""
+    for name in ("split_fixed_cost", "unsplit_slack", "even_split_slack"):
         value = getattr(schedule, name)
         if type(value) is not int or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")

@@ -46,6 +46,13 @@ class DenseDecodeSchedule:
         plans 3 and 11 blocks dearer were 1.5-7% and 0.7-6% faster at s_q = 2 (4K, 8K; 4 M tiles), one 3
         blocks dearer 0.7-2.4% faster at s_q = 1, 8K (2 M tiles), but one 10 blocks dearer up to 3% slower
         at s_q = 1, 16K.  0: FlashMLA's plan.
+    even_split_slack: where no whole plan is taken, the planner cuts each request too long for a part
+        into equal pieces, one part each, so no part holds a request boundary next to a piece, when that
+        costs a part at most ``even_split_slack`` blocks more than FlashMLA's payload for each 64-row M
+        tile (``plan_policy``; ``schedules/planner.py``).  Measured on the H200 (docs/performance.md,
+        entry 29): one M tile a KV head (the memory-bound rows) 0.6-5.5% faster (64 x 16K at h_q = 16
+        and 64, 32 x 32K and 16 x 64K at h_q = 16: pieces of 128 tiles instead of 125-127 tiles over one
+        or two pieces), b = 8, 64K at h_q = 128 within 0.4%.  0: not tried.
     num_sm_parts: CTAs per (KV head, M tile); None = FlashMLA's rule from the SM count.
     cross_term_first: seesaw kernel only: warpgroup 1 issues P0 V0_R (the cross term, P0 at warpgroup 0's
         row max) before its own softmax, and P1 V1_R right behind it; a buffer's right half refills a
@@ -83,6 +90,7 @@ class DenseDecodeSchedule:
     seesaw: bool = True
     split_fixed_cost: int = 5
     unsplit_slack: int = 4
+    even_split_slack: int = 4
     num_sm_parts: Optional[int] = None
     combine_chunked_batch: int = 4
     cross_term_first: Optional[bool] = None
@@ -140,6 +148,12 @@ class DenseDecodeSchedule:
     def plan_slack(self, rows_per_kv_head: int) -> int:
         """The planner's ``unsplit_slack`` in blocks for a KV head with ``rows_per_kv_head`` query rows."""
         return self.unsplit_slack * -(-rows_per_kv_head // 64)
+
+    def plan_policy(self, rows_per_kv_head: int) -> tuple[int, int, int]:
+        """The planner's (``fixed_cost``, ``unsplit_slack``, ``even_split_slack``) in blocks for a KV head with
+        ``rows_per_kv_head`` query rows: ``plan_splits(lengths, parts, 64, *policy)``."""
+        tiles = -(-rows_per_kv_head // 64)
+        return self.split_fixed_cost, self.plan_slack(rows_per_kv_head), self.even_split_slack * tiles
 
     def validate(self) -> None:
         """Reject impossible schedules before compiling, with the reason."""

@@ -15,6 +15,15 @@ in order, into the parts with no part costing more than ``payload + unsplit_slac
 the plan packs them whole at the smallest capacity that fits (found by bisection),
 and nothing is split.  With ``unsplit_slack`` = 0 the plan is FlashMLA's.
 
+Even pieces (``even_split_slack`` > 0, ours; tried when no whole plan is taken): FlashMLA's plan
+cuts a request wherever a part's payload ends, so most parts hold the end of one request and
+the start of the next, at uneven lengths.  The even plan cuts each request that does not fit
+a part whole into equal pieces (``ceil(blocks / (capacity - fixed_cost))`` of them), each
+alone on its part; requests that fit are packed whole, in order, as above.  So no part holds
+a request boundary next to a piece.  It takes the smallest capacity, from FlashMLA's payload
+up, at which this fits the parts, if that is at most ``payload + even_split_slack``; else
+FlashMLA's plan.
+
 One record per part, 8 x int32 (``RECORD_FIELDS``):
   begin_req, end_req (inclusive), begin_block, end_block (exclusive, in the
   end request), begin_split_idx (split index of begin_req handled by this part),
@@ -66,6 +75,7 @@ def plan_splits(
     block_n: int = 64,
     fixed_cost: int = 5,
     unsplit_slack: int = 0,
+    even_split_slack: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan the split-KV work.
 
@@ -76,31 +86,34 @@ def plan_splits(
         fixed_cost: fixed cost of a request (or of each piece of a split request), in blocks.
         unsplit_slack: how many blocks more than the payload a part may cost in a plan that splits
             nothing (see the module docstring); 0: FlashMLA's plan.
+        even_split_slack: how many blocks more than the payload a part may cost in a plan of even pieces
+            (see the module docstring); 0: not tried.
 
     Returns:
         (records int32 ``[num_parts, 8]``, num_splits int32 ``[b + 1]``), on the CPU.
     """
-    lens = _host_lengths(seqlens, num_parts, block_n, fixed_cost, unsplit_slack)
-    records, num_splits, _ = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack)
+    lens = _host_lengths(seqlens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack)
+    records, num_splits, _ = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack)
     return torch.tensor(records, dtype=torch.int32).view(num_parts, RECORD_SIZE), torch.tensor(num_splits, dtype=torch.int32)
 
 
 def plan_has_split(seqlens: torch.Tensor, num_parts: int, block_n: int = 64, fixed_cost: int = 5,
-                   unsplit_slack: int = 0) -> bool:
+                   unsplit_slack: int = 0, even_split_slack: int = 0) -> bool:
     """Whether ``plan_splits`` (hence the scheduler kernel) splits a request over parts, so a combine must
     merge partials.  Without a split every request's output comes from one part, which writes it."""
-    return plan_facts(seqlens, num_parts, block_n, fixed_cost, unsplit_slack)[0]
+    return plan_facts(seqlens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack)[0]
 
 
 def plan_facts(seqlens: torch.Tensor, num_parts: int, block_n: int = 64, fixed_cost: int = 5,
-               unsplit_slack: int = 0) -> tuple[bool, int]:
+               unsplit_slack: int = 0, even_split_slack: int = 0) -> tuple[bool, int]:
     """(``plan_has_split``, the most KV blocks any one part of ``plan_splits``'s plan reads), from one walk."""
-    lens = _host_lengths(seqlens, num_parts, block_n, fixed_cost, unsplit_slack)
-    _, num_splits, busiest = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack)
+    lens = _host_lengths(seqlens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack)
+    _, num_splits, busiest = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack)
     return any(b - a > 1 for a, b in zip(num_splits, num_splits[1:])), busiest
 
 
-def _host_lengths(seqlens: torch.Tensor, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int) -> list:
+def _host_lengths(seqlens: torch.Tensor, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int,
+                  even_split_slack: int) -> list:
     """The lengths as Python ints, after checking the planner's arguments."""
     if num_parts < 1:
         raise ValueError(f"num_parts must be >= 1, got {num_parts}")
@@ -110,6 +123,8 @@ def _host_lengths(seqlens: torch.Tensor, num_parts: int, block_n: int, fixed_cos
         raise ValueError(f"fixed_cost must be >= 0, got {fixed_cost}")
     if unsplit_slack < 0:
         raise ValueError(f"unsplit_slack must be >= 0, got {unsplit_slack}")
+    if even_split_slack < 0:
+        raise ValueError(f"even_split_slack must be >= 0, got {even_split_slack}")
     lens = [int(x) for x in seqlens.detach().to("cpu", torch.int64).tolist()]
     if not lens:
         raise ValueError("seqlens must hold at least one request")
@@ -152,7 +167,40 @@ def _whole_capacity(costs: list, num_parts: int, payload: int, unsplit_slack: in
     return lo
 
 
-def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int) -> tuple[list, list, int]:
+def _parts_even(num_blocks: list, capacity: int, fixed_cost: int) -> int:
+    """How many parts the even plan at ``capacity`` (> ``fixed_cost``) takes: requests that fit packed whole,
+    in order; each other one cut into equal pieces, one part each."""
+    parts, fill = 0, 0
+    for nb in num_blocks:
+        c = nb + fixed_cost
+        if c <= capacity:
+            if fill + c > capacity:
+                parts, fill = parts + 1, c
+            else:
+                fill += c
+        else:
+            parts += (fill > 0) + -(-nb // (capacity - fixed_cost))
+            fill = 0
+    return parts + (fill > 0)
+
+
+def _even_capacity(num_blocks: list, num_parts: int, fixed_cost: int, payload: int, even_split_slack: int):
+    """The smallest capacity from ``payload`` to ``payload + even_split_slack`` at which the even plan fits
+    ``num_parts`` parts; None if none does."""
+    lo, hi = payload, payload + even_split_slack
+    if _parts_even(num_blocks, hi, fixed_cost) > num_parts:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _parts_even(num_blocks, mid, fixed_cost) <= num_parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int,
+          even_split_slack: int) -> tuple[list, list, int]:
     """The greedy walk: (one record per part as a list, the prefix sums of the split counts, the most blocks
     one part reads).  Plain Python lists: the runtime runs it on a plan's first call, and a tensor per part
     cost about 10 us each."""
@@ -161,11 +209,19 @@ def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_sla
     last_block = [nb - 1 for nb in num_blocks]
     costs = [nb + fixed_cost for nb in num_blocks]
     payload = -(-sum(costs) // num_parts) + fixed_cost
-    whole = None
+    whole = even = None
     if unsplit_slack > 0:
         whole = _whole_capacity(costs, num_parts, payload, unsplit_slack)
+    if whole is None and even_split_slack > 0:
+        even = _even_capacity(num_blocks, num_parts, fixed_cost, payload, even_split_slack)
+    # In both plans a request that does not fit the rest of a part starts the next one; only the even plan
+    # cuts requests (those that fit no part whole), into ``pieces[r]`` equal pieces.
+    pieces = [1] * b
     if whole is not None:
-        payload = whole  # every request fits a part whole: the walk below never splits
+        payload = whole
+    elif even is not None:
+        payload = even
+        pieces = [-(-nb // (even - fixed_cost)) if nb + fixed_cost > even else 1 for nb in num_blocks]
 
     records = []
     num_splits = [0] * (b + 1)
@@ -176,19 +232,30 @@ def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_sla
         remain = payload
         while req < b:
             left = num_blocks[req] - block
+            if pieces[req] > 1:  # an even piece: alone on a part
+                if remain == payload:
+                    end = (split_idx + 1) * num_blocks[req] // pieces[req]
+                    remain -= end - block + fixed_cost
+                    if end == num_blocks[req]:
+                        cum += split_idx + 1
+                        num_splits[req + 1] = cum
+                        req, block, split_idx = req + 1, 0, 0
+                    else:
+                        block, split_idx = end, split_idx + 1
+                break
             if remain >= left + fixed_cost:
                 cum += split_idx + 1
                 num_splits[req + 1] = cum
                 remain -= left + fixed_cost
                 req, block, split_idx = req + 1, 0, 0
             else:
-                if whole is None and remain - fixed_cost > 0:
+                if whole is None and even is None and remain - fixed_cost > 0:
                     block += remain - fixed_cost
                     split_idx += 1
                     remain = 0  # the piece takes the rest of the payload: its blocks and its fixed cost
                 break
-        pieces = (req - begin_req) + (block > 0)
-        busiest = max(busiest, payload - remain - fixed_cost * pieces)
+        taken = (req - begin_req) + (block > 0)
+        busiest = max(busiest, payload - remain - fixed_cost * taken)
         if block > 0:
             end_req, end_block = req, block
         else:

@@ -39,6 +39,9 @@ class SparseDecodeSchedule:
         request (``plan_slack``; as for dense decode).  Off: on the H200 the topk 16K row (b = 64, s_q = 2,
         h_q = 128), whose whole plan costs 10 blocks more, read 1264.5 us whole against 1240.8 / 1256.4
         split (docs/performance.md, entry 27).
+    even_split_slack: as for dense decode: equal pieces of the requests too long for a part, one part
+        each, when that costs a part at most this many blocks more than the payload for each 64 query rows
+        of a request (``plan_policy``).  Off: not measured on the sparse kernel.
     num_sm_parts: CTAs per (query token, 64-head tile); None = FlashMLA's rule from the SM count.
     combine_chunked_batch: the largest batch whose combine splits each row into 4 column chunks,
         one CTA each (0: never).  A small batch has few rows and many partials a row; chunks
@@ -51,6 +54,7 @@ class SparseDecodeSchedule:
     leader_follower: bool = True
     split_fixed_cost: int = 5
     unsplit_slack: int = 0
+    even_split_slack: int = 0
     num_sm_parts: Optional[int] = None
     combine_chunked_batch: int = 4
 
@@ -70,6 +74,12 @@ class SparseDecodeSchedule:
     def plan_slack(self, rows: int) -> int:
         """The planner's ``unsplit_slack`` in blocks for requests of ``rows`` query rows (s_q x h_q)."""
         return self.unsplit_slack * -(-rows // 64)
+
+    def plan_policy(self, rows: int) -> tuple[int, int, int]:
+        """The planner's (``fixed_cost``, ``unsplit_slack``, ``even_split_slack``) in blocks for requests of
+        ``rows`` query rows (s_q x h_q): ``plan_splits(lengths, parts, 64, *policy)``."""
+        tiles = -(-rows // 64)
+        return self.split_fixed_cost, self.plan_slack(rows), self.even_split_slack * tiles
 
     def validate(self) -> None:
         """Reject impossible schedules before compiling, with the reason."""

@@ -33,9 +33,9 @@ def recorder(monkeypatch):
 
         return step
 
-    def compile_scheduler(fixed_cost, unsplit_slack=0, options=""):
-        return lambda seqlens, sched, splits: calls["scheduler"].append((fixed_cost, unsplit_slack, sched.shape,
-                                                                         splits.shape))
+    def compile_scheduler(fixed_cost, unsplit_slack=0, even_split_slack=0, options=""):
+        return lambda seqlens, sched, splits: calls["scheduler"].append((fixed_cost, unsplit_slack, even_split_slack,
+                                                                         sched.shape, splits.shape))
 
     monkeypatch.setattr(build, "compile_dense_decode", compile_dense_decode)
     monkeypatch.setattr(build, "compile_scheduler", compile_scheduler)
@@ -62,7 +62,7 @@ def test_arguments_handed_to_the_step(recorder):
     assert out.shape == (3, 2, 12, 512) and out.dtype == torch.bfloat16
     assert lse.shape == (3, 12, 2) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert recorder["static"] == (torch.bfloat16, 2, 12, 2, True, 128, sched)
-    assert recorder["scheduler"] == [(3, sched.plan_slack(2 * 12 // 2), (5, 8), (4,))]
+    assert recorder["scheduler"] == [(*sched.plan_policy(2 * 12 // 2), (5, 8), (4,))]
     (q_rows, k_arg, bt, sl, records, splits, out_arg, lse_arg, o_acc, lse_acc, scale_log2), = recorder["steps"]
     assert out_arg is out and lse_arg is lse and k_arg is k_cache and bt is block_table and sl is seqlens
     assert records is meta.tile_scheduler_metadata and splits is meta.num_splits
@@ -128,9 +128,10 @@ def sparse_recorder(monkeypatch):
 
         return step
 
-    def compile_scheduler(fixed_cost, unsplit_slack=0, options=""):
+    def compile_scheduler(fixed_cost, unsplit_slack=0, even_split_slack=0, options=""):
         def run(lengths, sched, splits):
-            calls["scheduler"].append((fixed_cost, unsplit_slack, lengths.clone(), sched.shape, splits.shape))
+            calls["scheduler"].append(((fixed_cost, unsplit_slack, even_split_slack), lengths.clone(), sched.shape,
+                                       splits.shape))
 
         return run
 
@@ -163,8 +164,8 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     assert lse.shape == (3, 128, 2) and lse.dtype == torch.float32
     assert sparse_recorder["compile"] == [(2, 128, True, sched)]
     assert sparse_recorder["topk_length"] == [True]  # the kernel that reads the lengths
-    fixed, slack, lengths, sched_shape, splits_shape = sparse_recorder["scheduler"][0]
-    assert fixed == 2 and slack == sched.plan_slack(2 * 128) and sched_shape == (7, 8) and splits_shape == (4,)
+    policy, lengths, sched_shape, splits_shape = sparse_recorder["scheduler"][0]
+    assert policy == (2, sched.plan_slack(2 * 128), 0) and sched_shape == (7, 8) and splits_shape == (4,)
     assert lengths.tolist() == [1, 70, 128]  # clamped to [1, topk] for the planner
     (qq, cache, idx, tl, records, splits, o, l, o_acc, lse_acc, sk, scale) = sparse_recorder["steps"][0]
     assert cache.dtype == torch.int32 and cache.shape == (4, 64, 164)  # 656-byte rows as words
@@ -176,7 +177,7 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True, sched)
     assert sparse_recorder["steps"][1][3] is None
     assert not any(sparse_recorder["topk_length"][1:])
-    assert sparse_recorder["scheduler"][1][2].tolist() == [128, 128, 128]  # the planner's lengths
+    assert sparse_recorder["scheduler"][1][1].tolist() == [128, 128, 128]  # the planner's lengths
     with pytest.raises(ValueError, match="attn_sink"):
         cute.sparse_decode(q, k_cache, indices, None, sink, 0.25, meta, False, sched)
 
@@ -191,14 +192,15 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     ([8192] * 128, 66, 0, True),  # FlashMLA's plan splits
 ])
 def test_dense_combine_only_when_the_plan_splits(recorder, lengths, parts, slack, combine):
-    """A plan that splits no request leaves the combine out: each part writes its outputs itself."""
+    """A plan that splits no request leaves the combine out: each part writes its outputs itself.  (The even
+    plan is off here: at FlashMLA's payload and above it packs whole requests too.)"""
     from mla_cute.api import get_mla_metadata
     from mla_cute.backends import cute
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, plan_splits
 
-    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts, unsplit_slack=slack)
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts, unsplit_slack=slack, even_split_slack=0)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    _, num_splits = plan_splits(seqlens, parts, 64, sched.split_fixed_cost, sched.plan_slack(2 * 12))
+    _, num_splits = plan_splits(seqlens, parts, 64, *sched.plan_policy(2 * 12))
     assert bool((num_splits.diff() > 1).any()) == combine
     q, k_cache, block_table, _ = _inputs(b=len(lengths), h_kv=1, page=64)
     cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, get_mla_metadata()[0], True, sched, seqlens)
@@ -238,7 +240,7 @@ def test_evict_first_chosen_per_plan(recorder, lengths, parts, evict, combine):
 
     sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts, kv_evict_first=None, evict_first_tiles=48)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    split, busiest = plan_facts(seqlens, parts, 64, sched.split_fixed_cost, sched.plan_slack(2 * 12))
+    split, busiest = plan_facts(seqlens, parts, 64, *sched.plan_policy(2 * 12))
     assert (split, busiest <= 48) == (combine, evict)
     q, k_cache, block_table, _ = _inputs(b=len(lengths), h_kv=1, page=64)
     meta = get_mla_metadata()[0]
@@ -326,8 +328,8 @@ def test_split_policy_rules(kind):
     from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
 
     cls = DenseDecodeSchedule if kind == "dense" else SparseDecodeSchedule
-    assert cls().unsplit_slack == (4 if kind == "dense" else 0)
-    for name in ("split_fixed_cost", "unsplit_slack"):
+    assert cls().unsplit_slack == cls().even_split_slack == (4 if kind == "dense" else 0)
+    for name in ("split_fixed_cost", "unsplit_slack", "even_split_slack"):
         cls(**{name: 0}).validate()
         for bad in (-1, True, 2.0, "3", None):
             with pytest.raises(ValueError, match=f"{name} must be an int >= 0"):
@@ -338,7 +340,8 @@ def test_split_policy_rules(kind):
     sched = cls(unsplit_slack=3)
     assert [sched.plan_slack(rows) for rows in (1, 16, 64, 65, 128, 256)] == [3, 3, 3, 6, 6, 12]
     assert cls(unsplit_slack=0).plan_slack(256) == 0
-    assert sched.kernel_key() == cls(unsplit_slack=0).kernel_key()
+    assert cls(split_fixed_cost=2, unsplit_slack=3, even_split_slack=1).plan_policy(130) == (2, 9, 3)
+    assert sched.kernel_key() == cls(unsplit_slack=0, even_split_slack=7).kernel_key()
 
 
 def test_evict_first_per_plan_rules():

@@ -171,37 +171,39 @@ def test_metadata_reuse_and_gpu_scheduler_matches_planner():
     case = make_dense_case(64, 1, 4096, 128, 1, varlen=True)
     meta = run_and_check(case, 1, False, reuse=3)
     records, splits = plan_splits(case["cache_seqlens"].cpu(), meta.tile_scheduler_metadata.shape[0], 64,
-                                  default.split_fixed_cost, default.plan_slack(128))
+                                  *default.plan_policy(128))
     assert torch.equal(meta.tile_scheduler_metadata.cpu(), records)
     assert torch.equal(meta.num_splits.cpu(), splits)
 
 
-@pytest.mark.parametrize("fixed_cost,slack", [(5, 0), (5, 12), (0, 3), (5, 40)])
-def test_gpu_scheduler_matches_planner(fixed_cost, slack):
+@pytest.mark.parametrize("fixed_cost,slack,even", [(5, 0, 0), (5, 12, 0), (0, 3, 0), (5, 40, 0), (5, 0, 4), (5, 8, 8),
+                                                  (0, 0, 3), (5, 4, 40)])
+def test_gpu_scheduler_matches_planner(fixed_cost, slack, even):
     """The scheduler kernel writes the host planner's records for random, uniform, empty and benchmark
-    lengths, with and without the search for a plan of whole requests (``unsplit_slack``)."""
+    lengths, with and without the searches for a plan of whole requests (``unsplit_slack``) and of even
+    pieces (``even_split_slack``)."""
     from mla_cute.kernels.build import compile_scheduler
     from mla_cute.schedules import plan_has_split, plan_splits
 
-    rng = random.Random(fixed_cost * 100 + slack)
+    rng = random.Random(fixed_cost * 100 + slack + 10000 * even)
     cases = [([4096] * 128, 33), ([8192] * 128, 33), ([8192] * 128, 66), ([16384] * 128, 66), ([131072], 66),
-             ([0] * 5, 7), ([16384] * 64, 132), ([1] * 300, 17)]
+             ([0] * 5, 7), ([16384] * 64, 132), ([1] * 300, 17), ([65536] * 8, 66), ([32768] * 32, 132)]
     for _ in range(60):
         b = rng.randint(1, 200)
         n = rng.choice([64, 700, 4096, 20000])
         lens = [n] * b if rng.random() < 0.3 else [rng.randint(0, n) for _ in range(b)]
         cases.append((lens, rng.choice([1, 2, 7, 33, 66, 132])))
-    scheduler = compile_scheduler(fixed_cost, slack)
+    scheduler = compile_scheduler(fixed_cost, slack, even)
     outcomes = set()
     for lens, parts in cases:
         seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         records = torch.full((parts, 8), -7, dtype=torch.int32, device="cuda")
         splits = torch.full((len(lens) + 1,), -7, dtype=torch.int32, device="cuda")
         scheduler(seqlens, records, splits)
-        want_records, want_splits = plan_splits(seqlens.cpu(), parts, 64, fixed_cost, slack)
+        want_records, want_splits = plan_splits(seqlens.cpu(), parts, 64, fixed_cost, slack, even)
         assert torch.equal(records.cpu(), want_records), (lens[:8], parts)
         assert torch.equal(splits.cpu(), want_splits), (lens[:8], parts)
-        outcomes.add(plan_has_split(seqlens.cpu(), parts, 64, fixed_cost, slack))
+        outcomes.add(plan_has_split(seqlens.cpu(), parts, 64, fixed_cost, slack, even))
     assert outcomes == {False, True}
 
 

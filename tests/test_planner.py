@@ -235,13 +235,13 @@ def test_accepts_other_int_dtypes():
 
 
 @pytest.mark.parametrize(
-    "lens,num_parts,block_n,fixed_cost,slack",
-    [([1], 0, 64, 5, 0), ([1], 1, 0, 5, 0), ([1], 1, 64, -1, 0), ([], 4, 64, 5, 0), ([3, -1], 4, 64, 5, 0),
-     ([1], 1, 64, 5, -1)],
+    "lens,num_parts,block_n,fixed_cost,slack,even",
+    [([1], 0, 64, 5, 0, 0), ([1], 1, 0, 5, 0, 0), ([1], 1, 64, -1, 0, 0), ([], 4, 64, 5, 0, 0),
+     ([3, -1], 4, 64, 5, 0, 0), ([1], 1, 64, 5, -1, 0), ([1], 1, 64, 5, 0, -1)],
 )
-def test_rejects_bad_arguments(lens, num_parts, block_n, fixed_cost, slack):
+def test_rejects_bad_arguments(lens, num_parts, block_n, fixed_cost, slack, even):
     with pytest.raises(ValueError):
-        plan_splits(torch.tensor(lens, dtype=torch.int32), num_parts, block_n, fixed_cost, slack)
+        plan_splits(torch.tensor(lens, dtype=torch.int32), num_parts, block_n, fixed_cost, slack, even)
 
 
 # ----------------------------------------------------------------------------- whole requests
@@ -304,6 +304,90 @@ def test_unsplit_slack_on_the_s_q_2_benchmark_rows(s_k, slack, whole):
     if whole:
         busy = records[records[:, 0] <= records[:, 1]]
         assert len(busy) == 32 and torch.all(busy[:, 1] - busy[:, 0] == 3)
+
+
+def _even_parts(nblocks, capacity, fixed_cost):
+    """The parts of the even plan at ``capacity``, built directly: each part a list of (request, blocks)."""
+    parts, cur = [], []
+    for r, nb in enumerate(nblocks):
+        if nb + fixed_cost <= capacity:
+            if sum(n + fixed_cost for _, n in cur) + nb + fixed_cost > capacity:
+                parts.append(cur)
+                cur = []
+            cur.append((r, nb))
+        else:
+            if cur:
+                parts.append(cur)
+                cur = []
+            k = math.ceil(nb / (capacity - fixed_cost))
+            parts += [[(r, (i + 1) * nb // k - i * nb // k)] for i in range(k)]
+    return parts + ([cur] if cur else [])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_even_split_slack_cuts_equal_pieces(seed):
+    """With ``even_split_slack`` (and no whole plan taken) the plan is, at the smallest capacity from
+    FlashMLA's payload up to payload + slack that fits: whole requests packed in order, and every request
+    too long for a part cut into equal pieces, each alone on its part; with no such capacity, FlashMLA's."""
+    rng = random.Random(900 + seed)
+    outcomes = set()
+    for _ in range(40):
+        b = rng.randint(1, 24)
+        lens = [rng.randint(0, rng.choice([64, 640, 4096, 30000])) for _ in range(b)]
+        if rng.random() < 0.4:
+            lens = [lens[0]] * b
+        num_parts = rng.choice([1, 2, 3, 5, 8, 13, 33])
+        fixed_cost, even = rng.choice([0, 5]), rng.choice([1, 3, 8, 40])
+        nblocks = [max(math.ceil(n / BLOCK_N), 1) for n in lens]
+        payload = -(-sum(nb + fixed_cost for nb in nblocks) // num_parts) + fixed_cost
+        fits = [c for c in range(payload, payload + even + 1)
+                if len(_even_parts(nblocks, c, fixed_cost)) <= num_parts]
+        records, num_splits = plan_splits(torch.tensor(lens), num_parts, BLOCK_N, fixed_cost, 0, even)
+        if not fits:
+            flash = plan_splits(torch.tensor(lens), num_parts, BLOCK_N, fixed_cost)
+            assert torch.equal(records, flash[0]) and torch.equal(num_splits, flash[1])
+            outcomes.add("flashmla")
+            continue
+        capacity = fits[0]
+        splits = check_plan(lens, num_parts, fixed_cost, records, num_splits, capacity=capacity)
+        want = _even_parts(nblocks, capacity, fixed_cost)
+        got = []
+        for rec in records.tolist():
+            f = dict(zip(RECORD_FIELDS, rec))
+            if f["begin_req"] > f["end_req"]:
+                continue
+            part = []
+            for r in range(f["begin_req"], f["end_req"] + 1):
+                start = f["begin_block"] if r == f["begin_req"] else 0
+                end = (f["end_block"] or 1) if r == f["end_req"] else nblocks[r]
+                part.append((r, end - start))
+            got.append(part)
+        assert got == want
+        for part in got:  # a piece of a split request is alone on its part
+            assert len(part) == 1 or all(splits[r] == 1 for r, _ in part)
+        outcomes.add("even" if any(s > 1 for s in splits) else "whole")
+    assert outcomes == {"even", "whole", "flashmla"}
+
+
+@pytest.mark.parametrize("lens,parts,pieces,tiles", [
+    ([16384] * 64, 132, 2, 128),  # dense b = 64, 16K, h_q = 16: FlashMLA's plan cuts 3-4 pieces of up to 127
+    ([32768] * 32, 132, 4, 128),
+    ([65536] * 8, 66, 8, 128),  # b = 8, 64K, h_q = 128 (2 M tiles: slack 8)
+])
+def test_even_split_slack_on_the_benchmark_rows(lens, parts, pieces, tiles):
+    """The default schedule's even pieces on the uniform rows where FlashMLA's plan puts request boundaries
+    inside parts; the whole plan, where one is taken, comes first (the 8K rows keep two whole requests)."""
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, plan_facts
+
+    policy = DEFAULT_DENSE_SCHEDULE.plan_policy(128 if parts == 66 else 16)
+    records, num_splits = plan_splits(torch.tensor(lens), parts, BLOCK_N, *policy)
+    splits = check_plan(lens, parts, 5, records, num_splits, capacity=tiles + 5)
+    assert splits == [pieces] * len(lens)
+    busy = records[records[:, 0] <= records[:, 1]]
+    assert len(busy) == pieces * len(lens) and torch.all(busy[:, 0] == busy[:, 1])
+    assert plan_facts(torch.tensor(lens), parts, BLOCK_N, *policy) == (True, tiles)
+    whole = plan_splits(torch.tensor([8192] * 128), 66, BLOCK_N, *DEFAULT_DENSE_SCHEDULE.plan_policy(128))[1]
+    assert whole.tolist() == list(range(129))
 
 
 # ----------------------------------------------------------------------------- part count

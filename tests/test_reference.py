@@ -299,8 +299,7 @@ def test_metadata_reused_across_calls():
             assert tsm.dtype == torch.int32 and tsm.shape == (parts, 8)
             assert ns.dtype == torch.int32 and ns.shape == (b + 1,)
             default = mla_cute.schedules.DEFAULT_DENSE_SCHEDULE
-            want_tsm, want_ns = plan_splits(lens, parts, 64, default.split_fixed_cost,
-                                            default.plan_slack(s_q * h_q // h_kv))
+            want_tsm, want_ns = plan_splits(lens, parts, 64, *default.plan_policy(s_q * h_q // h_kv))
             assert torch.equal(tsm, want_tsm) and torch.equal(ns, want_ns)
         else:  # the second call must not recompute
             assert meta.tile_scheduler_metadata is tsm and meta.num_splits is ns

@@ -67,9 +67,9 @@ def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool) -> None:
         raise NotImplementedError("k_cache needs a contiguous last dimension, 16-byte aligned base and strides")
 
 
-def _split_workspace(meta, lengths, parts: int, fixed_cost: int, slack: int, b: int, h_kv: int, rows: int, device):
-    """Run the GPU scheduler (fixed cost and slack for whole requests, in blocks) over ``lengths`` into the
-    metadata, and allocate the fp32 partials.
+def _split_workspace(meta, lengths, parts: int, policy: tuple, b: int, h_kv: int, rows: int, device):
+    """Run the GPU scheduler (``policy``: the planner's fixed cost and slacks, in blocks) over ``lengths`` into
+    the metadata, and allocate the fp32 partials.
 
     At most one partial per request plus one extra per part (a part splits at most one request).
     """
@@ -77,7 +77,7 @@ def _split_workspace(meta, lengths, parts: int, fixed_cost: int, slack: int, b: 
 
     sched = torch.empty(parts, 8, dtype=torch.int32, device=device)
     splits = torch.empty(b + 1, dtype=torch.int32, device=device)
-    compile_scheduler(fixed_cost, slack)(lengths, sched, splits)
+    compile_scheduler(*policy)(lengths, sched, splits)
     meta.tile_scheduler_metadata, meta.num_splits = sched, splits
     o_accum = torch.empty(b + parts, h_kv, rows, 512, dtype=torch.float32, device=device)
     lse_accum = torch.empty(b + parts, h_kv, rows, dtype=torch.float32, device=device)
@@ -130,15 +130,15 @@ class DensePlan:
         self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, self.kernel_schedule,
                                          with_combine=True)
         rows = s_q * (h_q // h_kv)
-        slack = schedule.plan_slack(rows)
+        policy = schedule.plan_policy(rows)
         if host_lengths is not None:
-            split, busiest = plan_facts(host_lengths, parts, 64, schedule.split_fixed_cost, slack)
+            split, busiest = plan_facts(host_lengths, parts, 64, *policy)
             chosen = schedule.for_plan(busiest)
             if not split or chosen != self.kernel_schedule:
                 self.kernel_schedule = chosen
                 self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, chosen, with_combine=split)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, cache_seqlens, parts, schedule.split_fixed_cost, slack, b, h_kv, rows, q.device
+            meta, cache_seqlens, parts, policy, b, h_kv, rows, q.device
         )
 
 
@@ -203,7 +203,7 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
         for with_combine in (True, False):  # a plan that splits no request leaves the combine out
             compile_dense_decode(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, kernel_schedule,
                                  with_combine=with_combine)
-    compile_scheduler(schedule.split_fixed_cost, schedule.plan_slack(s_q * (h_q // h_kv)))
+    compile_scheduler(*schedule.plan_policy(s_q * (h_q // h_kv)))
 
 
 # ---------------------------------------------------------------- sparse FP8 decode
@@ -239,20 +239,20 @@ class SparsePlan:
         given = topk_length is not None
         self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True, has_topk_length=given)
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        slack = schedule.plan_slack(s_q * h_q)
-        if not given and not capturing and not _topk_plan_has_split(b, topk, parts, schedule.split_fixed_cost, slack):
+        policy = schedule.plan_policy(s_q * h_q)
+        if not given and not capturing and not _topk_plan_has_split(b, topk, parts, policy):
             self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False, has_topk_length=False)
         lengths = (topk_length if given else torch.full((b,), topk, dtype=torch.int32, device=q.device)).clamp(1, topk)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, lengths, parts, schedule.split_fixed_cost, slack, b, 1, s_q * h_q, q.device
+            meta, lengths, parts, policy, b, 1, s_q * h_q, q.device
         )
 
 
 @functools.lru_cache(maxsize=64)
-def _topk_plan_has_split(b: int, topk: int, parts: int, fixed_cost: int, slack: int) -> bool:
-    """Whether the plan of ``b`` requests of ``topk`` tokens each splits one: the same on every decode
-    step, so the host walk runs once."""
-    return plan_has_split(torch.full((b,), topk, dtype=torch.int64), parts, 64, fixed_cost, slack)
+def _topk_plan_has_split(b: int, topk: int, parts: int, policy: tuple) -> bool:
+    """Whether the plan of ``b`` requests of ``topk`` tokens each splits one (``policy``: the planner's fixed
+    cost and slacks): the same on every decode step, so the host walk runs once."""
+    return plan_has_split(torch.full((b,), topk, dtype=torch.int64), parts, 64, *policy)
 
 
 def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
@@ -320,4 +320,4 @@ def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_to
     compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True, has_topk_length=has_topk_length)
     if not has_topk_length:  # a plan that splits no request leaves the combine out (known only without lengths)
         compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False)
-    compile_scheduler(schedule.split_fixed_cost, schedule.plan_slack(s_q * h_q))
+    compile_scheduler(*schedule.plan_policy(s_q * h_q))
