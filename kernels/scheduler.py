@@ -114,9 +114,9 @@ class SchedulerKernel:
             # (the planner's ``_even_capacity``).
             even = cutlass.Int32(0)
             if cutlass.const_expr(self.even_split_slack > 0):
+                lo = payload
+                hi = payload + self.even_split_slack
                 if whole == 0:
-                    lo = payload
-                    hi = payload + self.even_split_slack
                     if self.parts_even(mSeqlens, hi) <= num_parts:
                         while lo < hi:
                             mid = (lo + hi) // 2

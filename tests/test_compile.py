@@ -138,9 +138,10 @@ def test_combine_and_scheduler_compile_without_spills(capfd):
     compile_combine(torch.bfloat16, 2, 64, 1, options=OPTIONS)
     compile_scheduler(5, options=OPTIONS)
     compile_scheduler(5, 12, options=OPTIONS)  # with the search for a plan of whole requests
-    compile_scheduler(5, 4, 4, options=OPTIONS)  # and for a plan of even pieces
+    compile_scheduler(5, 0, 4, options=OPTIONS)  # for a plan of even pieces
+    compile_scheduler(5, 12, 4, options=OPTIONS)  # both
     spills, _ = _ptxas_report(capfd.readouterr().err)
-    assert len(spills) == 4 and all(s == (0, 0, 0) for s in spills), spills
+    assert len(spills) == 5 and all(s == (0, 0, 0) for s in spills), spills
 
 
 def _check_register_split(ptx: str, regs: list, inc_warpgroups: int = 1) -> None:
