@@ -28,13 +28,12 @@ class DenseDecodeSchedule:
         Measured slower on the H200, so off.
     kv_evict_first: load KV tiles with the L2 evict-first policy (they are read once, FlashMLA
         sets it).  Measured no faster with the serial kernel and 0-2% slower with the seesaw on
-        the H200 on plans whose parts read 124 or more tiles, so off by default.  None: chosen per
-        plan: on when the host knows the plan (the first call's lengths; not inside a CUDA graph
-        capture) and its busiest part reads at most ``evict_first_tiles`` KV tiles, else off.  With
-        the seesaw and the load warpgroup, h_q = 128 (docs/performance.md, entry 28): 7.5-7.8% faster at
+        the H200 on plans whose parts read 124 or more tiles.  None (the default): chosen per plan:
+        on when the host knows the plan (the first call's lengths; not inside a CUDA graph capture)
+        and its busiest part reads at most ``evict_first_tiles`` KV tiles, else off.  With the seesaw
+        and the load warpgroup, h_q = 128 (docs/performance.md, entries 28 and 30): 7.5-7.8% faster at
         b = 1, 64K (16 tiles a part), 3.9-4.2% at b = 1, 128K (32), 0.7-2.5% at 63, none at 125-128.
-        Not the default yet: ``precompile`` then builds twice the kernels, and the GPU tests ran it on the
-        tile-position cases and b = 1, 128K only.
+        ``precompile`` builds both kernels for it.
     evict_first_tiles: with ``kv_evict_first=None``, the most tiles the busiest part of a plan may read
         for its loads to be evict-first.
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
@@ -85,7 +84,7 @@ class DenseDecodeSchedule:
 
     kv_stages: int = 2
     qk_prefetch: bool = False
-    kv_evict_first: Optional[bool] = False
+    kv_evict_first: Optional[bool] = None
     evict_first_tiles: int = 64
     seesaw: bool = True
     split_fixed_cost: int = 5
@@ -195,7 +194,7 @@ SEESAW_DENSE_SCHEDULE = DenseDecodeSchedule()
 DEFAULT_DENSE_SCHEDULE = SEESAW_DENSE_SCHEDULE
 # The first schedule, every step of a tile waiting for the previous one; kept selectable so every
 # gain is measured against it.
-SERIAL_DENSE_SCHEDULE = DenseDecodeSchedule(seesaw=False)
+SERIAL_DENSE_SCHEDULE = DenseDecodeSchedule(seesaw=False, kv_evict_first=False)
 # The serial kernel with the next tile's QK^T issued before this tile's softmax, KV loads
 # marked evict-first (measured slower).
 PREFETCH_DENSE_SCHEDULE = DenseDecodeSchedule(seesaw=False, qk_prefetch=True, kv_evict_first=True)

@@ -61,7 +61,8 @@ def test_arguments_handed_to_the_step(recorder):
     out, lse = cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, True, meta, True, sched)
     assert out.shape == (3, 2, 12, 512) and out.dtype == torch.bfloat16
     assert lse.shape == (3, 12, 2) and lse.dtype == torch.float32 and lse.is_contiguous()
-    assert recorder["static"] == (torch.bfloat16, 2, 12, 2, True, 128, sched)
+    # The host does not know these lengths here: the kernel for an unknown plan (normal loads).
+    assert recorder["static"] == (torch.bfloat16, 2, 12, 2, True, 128, sched.for_plan(None))
     assert recorder["scheduler"] == [(*sched.plan_policy(2 * 12 // 2), (5, 8), (4,))]
     (q_rows, k_arg, bt, sl, records, splits, out_arg, lse_arg, o_acc, lse_acc, scale_log2), = recorder["steps"]
     assert out_arg is out and lse_arg is lse and k_arg is k_cache and bt is block_table and sl is seqlens
@@ -263,11 +264,11 @@ def test_precompile_loads_both_entries(recorder, sparse_recorder):
     from mla_cute.backends import cute
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SparseDecodeSchedule
 
-    cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64, DEFAULT_DENSE_SCHEDULE)
+    cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64, dataclasses.replace(DEFAULT_DENSE_SCHEDULE,
+                                                                                    kv_evict_first=False))
     assert recorder["built"] == [(False, True), (False, False)]
-    # Evict-first loads chosen per plan: the kernels with them too.
-    cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64,
-                          dataclasses.replace(DEFAULT_DENSE_SCHEDULE, kv_evict_first=None))
+    # Evict-first loads chosen per plan (the default): the kernels with them too.
+    cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64, DEFAULT_DENSE_SCHEDULE)
     assert recorder["built"][2:] == [(False, True), (False, False), (True, True), (True, False)]
     cute.precompile_sparse(2, 128, False, SparseDecodeSchedule())
     assert len(sparse_recorder["compile"]) == 2
@@ -345,9 +346,10 @@ def test_split_policy_rules(kind):
 
 
 def test_evict_first_per_plan_rules():
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE, DenseDecodeSchedule
 
-    assert DEFAULT_DENSE_SCHEDULE.kv_evict_first is False  # per plan is a choice, not yet the default
+    assert DEFAULT_DENSE_SCHEDULE.kv_evict_first is None  # chosen per plan
+    assert SERIAL_DENSE_SCHEDULE.kv_evict_first is False  # the first schedule stays as it was measured
     per_plan = DenseDecodeSchedule(kv_evict_first=None, evict_first_tiles=40)
     per_plan.validate()
     assert per_plan.for_plan(None).kv_evict_first is False

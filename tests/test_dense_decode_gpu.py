@@ -67,9 +67,10 @@ def _schedules():
             "seesaw_no_loader": dataclasses.replace(seesaw, load_warpgroup=False),
             "seesaw_no_loader_cross_last": dataclasses.replace(seesaw, load_warpgroup=False, cross_term_first=False),
             "seesaw_no_loader_multicast": dataclasses.replace(seesaw, load_warpgroup=False, tile_multicast=True),
-            # evict-first loads on every plan, and chosen per plan (these short plans take them)
+            # evict-first loads on every plan, and normal loads on every plan (the default chooses per plan,
+            # and these short plans take evict-first)
             "seesaw_evict_first": dataclasses.replace(seesaw, kv_evict_first=True),
-            "seesaw_evict_per_plan": dataclasses.replace(seesaw, kv_evict_first=None)}
+            "seesaw_normal_loads": dataclasses.replace(seesaw, kv_evict_first=False)}
 
 
 # Lengths that put the last tile of a request at every position of a tile pair (0-5 tiles,
@@ -86,7 +87,7 @@ SCHEDULE_CASES = [
 
 TILE_POSITION_SCHEDULES = ["serial", "seesaw", "seesaw_cross_first", "seesaw_cross_last", "seesaw_no_multicast",
                            "seesaw_no_loader", "seesaw_no_loader_cross_last", "seesaw_evict_first",
-                           "seesaw_evict_per_plan"]
+                           "seesaw_normal_loads"]
 
 
 @pytest.mark.parametrize("name", TILE_POSITION_SCHEDULES)
@@ -214,18 +215,20 @@ def test_page_sizes(page):
 
 
 def test_single_long_request():
+    """The default chooses the loads per plan: b = 1, 128K reads 32 tiles a part, so its plan takes the
+    evict-first kernel."""
     case = make_dense_case(1, 1, 131072, 128, 1)
-    run_and_check(case, 1, False)
+    meta = run_and_check(case, 1, False, reuse=2)
+    assert meta._state["dense"].kernel_schedule.kv_evict_first is True
 
 
-def test_single_long_request_evict_first_per_plan():
-    """``kv_evict_first=None``: b = 1, 128K reads 32 tiles a part, so its plan takes the evict-first kernel."""
+def test_single_long_request_normal_loads():
     import mla_cute
 
     case = make_dense_case(1, 1, 131072, 128, 1)
-    with mla_cute.use_schedule(_schedules()["seesaw_evict_per_plan"]):
-        meta = run_and_check(case, 1, False, reuse=2)
-    assert meta._state["dense"].kernel_schedule.kv_evict_first is True
+    with mla_cute.use_schedule(_schedules()["seesaw_normal_loads"]):
+        meta = run_and_check(case, 1, False)
+    assert meta._state["dense"].kernel_schedule.kv_evict_first is False
 
 
 @pytest.mark.parametrize("chunked", [False, True])
