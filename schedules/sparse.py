@@ -41,7 +41,9 @@ class SparseDecodeSchedule:
         split (docs/performance.md, entry 27).
     even_split_slack: as for dense decode: equal pieces of the requests too long for a part, one part
         each, when that costs a part at most this many blocks more than the payload for each 64 query rows
-        of a request (``plan_policy``).  Off: not measured on the sparse kernel.
+        of a request (``plan_policy``).  Off: at 4 blocks per 64 rows the topk 16K row would take two whole
+        requests a part, the plan measured slower (docs/performance.md, S35), and b = 2 pieces of 2-3 tiles
+        instead of 3; the even plan itself was not measured on the sparse kernel.
     num_sm_parts: CTAs per (query token, 64-head tile); None = FlashMLA's rule from the SM count.
     combine_chunked_batch: the largest batch whose combine splits each row into 4 column chunks,
         one CTA each (0: never).  A small batch has few rows and many partials a row; chunks
