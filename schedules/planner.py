@@ -22,7 +22,8 @@ a part whole into equal pieces (``ceil(blocks / (capacity - fixed_cost))`` of th
 alone on its part; requests that fit are packed whole, in order, as above.  So no part holds
 a request boundary next to a piece.  It takes the smallest capacity, from FlashMLA's payload
 up, at which this fits the parts, if that is at most ``payload + even_split_slack``; else
-FlashMLA's plan.
+FlashMLA's plan.  (With no request too long for a part, the even plan is a plan of whole
+requests, at FlashMLA's payload or above.)
 
 One record per part, 8 x int32 (``RECORD_FIELDS``):
   begin_req, end_req (inclusive), begin_block, end_block (exclusive, in the
