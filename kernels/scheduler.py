@@ -80,6 +80,23 @@ class SchedulerKernel:
             parts += 1
         return parts
 
+    @cute.jit
+    def smallest_capacity(self, mSeqlens, lo, hi, num_parts, even: cutlass.Constexpr):
+        """Bisection over [lo, hi] (``hi`` fits) for the smallest capacity at which whole requests (``even``
+        False: ``parts_whole``) or the even plan (``parts_even``) fit ``num_parts`` parts."""
+        while lo < hi:
+            mid = (lo + hi) // 2
+            parts = cutlass.Int32(0)
+            if cutlass.const_expr(even):
+                parts = self.parts_even(mSeqlens, mid)
+            else:
+                parts = self.parts_whole(mSeqlens, mid)
+            if parts <= num_parts:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
     @cute.kernel
     def kernel(self, mSeqlens, mSched, mNumSplits):
         tidx, _, _ = cute.arch.thread_idx()
@@ -102,30 +119,17 @@ class SchedulerKernel:
                 hi = payload + self.unsplit_slack
                 if lo <= hi:
                     if self.parts_whole(mSeqlens, hi) <= num_parts:
-                        while lo < hi:
-                            mid = (lo + hi) // 2
-                            if self.parts_whole(mSeqlens, mid) <= num_parts:
-                                hi = mid
-                            else:
-                                lo = mid + 1
                         whole = 1
-                        payload = lo
+                        payload = self.smallest_capacity(mSeqlens, lo, hi, num_parts, False)
             # 2: else the plan of even pieces, at the smallest capacity from the payload up that fits
             # (the planner's ``_even_capacity``).
             even = cutlass.Int32(0)
             if cutlass.const_expr(self.even_split_slack > 0):
-                lo = payload
                 hi = payload + self.even_split_slack
                 if whole == 0:
                     if self.parts_even(mSeqlens, hi) <= num_parts:
-                        while lo < hi:
-                            mid = (lo + hi) // 2
-                            if self.parts_even(mSeqlens, mid) <= num_parts:
-                                hi = mid
-                            else:
-                                lo = mid + 1
                         even = 1
-                        payload = lo
+                        payload = self.smallest_capacity(mSeqlens, payload, hi, num_parts, True)
             req = cutlass.Int32(0)
             block = cutlass.Int32(0)
             split = cutlass.Int32(0)

@@ -154,18 +154,11 @@ def _parts_whole(costs: list, capacity: int) -> int:
 def _whole_capacity(costs: list, num_parts: int, payload: int, unsplit_slack: int):
     """The smallest capacity that packs every request whole into ``num_parts`` parts, if it is at most
     ``payload + unsplit_slack``; else None (the plan splits)."""
-    total = sum(costs)
-    lo = max(max(costs), -(-total // num_parts))
+    lo = max(max(costs), -(-sum(costs) // num_parts))
     hi = payload + unsplit_slack
     if lo > hi or _parts_whole(costs, hi) > num_parts:
         return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _parts_whole(costs, mid) <= num_parts:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return _smallest(lo, hi, lambda capacity: _parts_whole(costs, capacity) <= num_parts)
 
 
 def _parts_even(num_blocks: list, capacity: int, fixed_cost: int) -> int:
@@ -188,12 +181,17 @@ def _parts_even(num_blocks: list, capacity: int, fixed_cost: int) -> int:
 def _even_capacity(num_blocks: list, num_parts: int, fixed_cost: int, payload: int, even_split_slack: int):
     """The smallest capacity from ``payload`` to ``payload + even_split_slack`` at which the even plan fits
     ``num_parts`` parts; None if none does."""
-    lo, hi = payload, payload + even_split_slack
+    hi = payload + even_split_slack
     if _parts_even(num_blocks, hi, fixed_cost) > num_parts:
         return None
+    return _smallest(payload, hi, lambda capacity: _parts_even(num_blocks, capacity, fixed_cost) <= num_parts)
+
+
+def _smallest(lo: int, hi: int, fits) -> int:
+    """Bisection: the smallest capacity in [lo, hi] that ``fits`` (``hi`` does)."""
     while lo < hi:
         mid = (lo + hi) // 2
-        if _parts_even(num_blocks, mid, fixed_cost) <= num_parts:
+        if fits(mid):
             hi = mid
         else:
             lo = mid + 1
