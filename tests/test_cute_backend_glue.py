@@ -210,6 +210,26 @@ def test_dense_combine_only_when_the_plan_splits(recorder, lengths, parts, slack
     assert recorder["combine"] == [combine, True]
 
 
+@pytest.mark.parametrize("lengths,parts,combine", [
+    ([8192] * 128, 66, False),  # no request too long for a part: the even plan packs two whole requests a part
+    ([16384] * 64, 132, True),  # two even pieces a request
+])
+def test_dense_even_plan_and_the_combine(recorder, lengths, parts, combine):
+    """With ``unsplit_slack=0`` the even plan (at FlashMLA's payload and above) still decides the combine."""
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, plan_facts
+
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts, unsplit_slack=0, kv_evict_first=False)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    assert plan_facts(seqlens, parts, 64, *sched.plan_policy(2 * 12))[0] == combine
+    assert plan_facts(seqlens, parts, 64, *dataclasses.replace(sched, even_split_slack=0).plan_policy(24))[0]
+    q, k_cache, block_table, _ = _inputs(b=len(lengths), h_kv=1, page=64)
+    cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, get_mla_metadata()[0], True, sched, seqlens)
+    assert recorder["combine"] == [combine]
+    assert recorder["scheduler"][0][:3] == sched.plan_policy(24)
+
+
 def test_sparse_combine_only_when_the_plan_splits(sparse_recorder):
     """Without topk_length every length is topk, so the host knows whether the plan splits; with it
     the lengths live on the device and the combine always runs."""
