@@ -128,8 +128,7 @@ def compile_scheduler(fixed_cost: int, unsplit_slack: int = 0, even_split_slack:
                             options=compile_options(options))
 
     what = f"scheduler fixed_cost={fixed_cost} unsplit_slack={unsplit_slack} even_split_slack={even_split_slack}"
-    return cached_compile(key, build, describe=what,
-                          persistent=not options)
+    return cached_compile(key, build, describe=what, persistent=not options)
 
 
 def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length: bool):

@@ -60,7 +60,9 @@ class SchedulerKernel:
 
     @cute.jit
     def parts_even(self, mSeqlens, capacity):
-        """The planner's ``_parts_even``: parts taken by the even plan at ``capacity``."""
+        """The planner's ``_parts_even``: parts taken by the even plan at ``capacity``.  At a capacity no
+        request exceeds it counts what ``parts_whole`` does; the whole-plan search keeps its own, shorter
+        loop (its passes were timed as they are)."""
         parts = cutlass.Int32(0)
         fill = cutlass.Int32(0)
         for i in cutlass.range(mSeqlens.shape[0], unroll=4):

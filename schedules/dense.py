@@ -11,6 +11,7 @@ import dataclasses
 from typing import Optional
 
 from .checks import check_bool, check_combine, check_kv_stages, check_smem, check_split_policy
+from .planner import split_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,7 @@ class DenseDecodeSchedule:
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     unsplit_slack: the planner keeps every request whole when a plan that splits nothing costs a part at
         most ``unsplit_slack`` 64-token blocks more than the payload of FlashMLA's plan for each 64-row M
-        tile of a KV head's query rows (``plan_slack``; ``schedules/planner.py``): a split costs the fp32
+        tile of a KV head's query rows (``plan_policy``; ``schedules/planner.py``): a split costs the fp32
         partials and the combine kernel, neither counted by the fixed cost per piece, and both grow with
         the query rows.  Measured on the H200 (docs/performance.md, entry 27), b = 128, h_q = 128: whole
         plans 3 and 11 blocks dearer were 1.5-7% and 0.7-6% faster at s_q = 2 (4K, 8K; 4 M tiles), one 3
@@ -144,15 +145,10 @@ class DenseDecodeSchedule:
         evict = busiest_tiles is not None and busiest_tiles <= self.evict_first_tiles
         return dataclasses.replace(self, kv_evict_first=evict)
 
-    def plan_slack(self, rows_per_kv_head: int) -> int:
-        """The planner's ``unsplit_slack`` in blocks for a KV head with ``rows_per_kv_head`` query rows."""
-        return self.unsplit_slack * -(-rows_per_kv_head // 64)
-
     def plan_policy(self, rows_per_kv_head: int) -> tuple[int, int, int]:
         """The planner's (``fixed_cost``, ``unsplit_slack``, ``even_split_slack``) in blocks for a KV head with
-        ``rows_per_kv_head`` query rows: ``plan_splits(lengths, parts, 64, *policy)``."""
-        tiles = -(-rows_per_kv_head // 64)
-        return self.split_fixed_cost, self.plan_slack(rows_per_kv_head), self.even_split_slack * tiles
+        ``rows_per_kv_head`` query rows (``planner.split_policy``)."""
+        return split_policy(self, rows_per_kv_head)
 
     def validate(self) -> None:
         """Reject impossible schedules before compiling, with the reason."""

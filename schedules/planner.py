@@ -63,6 +63,14 @@ def sparse_num_sm_parts_for(num_sms: int, s_q: int, h_q: int, heads_per_cta: int
     return max(num_sms // s_q // max(h_q // heads_per_cta, 1), 1)
 
 
+def split_policy(schedule, rows: int) -> tuple[int, int, int]:
+    """A schedule's planner arguments for requests (a KV head's) of ``rows`` query rows: (``fixed_cost``,
+    ``unsplit_slack``, ``even_split_slack``) in blocks, the slacks counted per 64-row M tile, so that
+    ``plan_splits(lengths, parts, 64, *split_policy(schedule, rows))``."""
+    tiles = -(-rows // 64)
+    return schedule.split_fixed_cost, schedule.unsplit_slack * tiles, schedule.even_split_slack * tiles
+
+
 def sparse_lengths(topk: int, topk_length, b: int) -> torch.Tensor:
     """Per-request work of sparse decode in tokens: ``topk_length`` (or ``topk``), at least 1 so every
     request gets a part that writes its (possibly empty) result, as FlashMLA's scheduler does."""
@@ -163,7 +171,8 @@ def _whole_capacity(costs: list, num_parts: int, payload: int, unsplit_slack: in
 
 def _parts_even(num_blocks: list, capacity: int, fixed_cost: int) -> int:
     """How many parts the even plan at ``capacity`` (> ``fixed_cost``) takes: requests that fit packed whole,
-    in order; each other one cut into equal pieces, one part each."""
+    in order; each other one cut into equal pieces, one part each.  (At a capacity no request exceeds, the
+    count of ``_parts_whole``; both stay, as the scheduler kernel's two loops they specify.)"""
     parts, fill = 0, 0
     for nb in num_blocks:
         c = nb + fixed_cost

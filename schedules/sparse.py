@@ -10,6 +10,7 @@ import dataclasses
 from typing import Optional
 
 from .checks import check_bool, check_combine, check_kv_stages, check_smem, check_split_policy
+from .planner import split_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,7 @@ class SparseDecodeSchedule:
     split_fixed_cost: the planner's fixed cost per request piece, in 64-token blocks.
     unsplit_slack: the planner keeps every request whole when a plan that splits nothing costs a part at
         most this many 64-token blocks more than the payload of FlashMLA's plan for each 64 query rows of a
-        request (``plan_slack``; as for dense decode).  Off: on the H200 the topk 16K row (b = 64, s_q = 2,
+        request (``plan_policy``; as for dense decode).  Off: on the H200 the topk 16K row (b = 64, s_q = 2,
         h_q = 128), whose whole plan costs 10 blocks more, read 1264.5 us whole against 1240.8 / 1256.4
         split (docs/performance.md, entry 27).
     even_split_slack: as for dense decode: equal pieces of the requests too long for a part, one part
@@ -73,15 +74,10 @@ class SparseDecodeSchedule:
         p = 64 * 64 * 2
         return small + q + kv + p
 
-    def plan_slack(self, rows: int) -> int:
-        """The planner's ``unsplit_slack`` in blocks for requests of ``rows`` query rows (s_q x h_q)."""
-        return self.unsplit_slack * -(-rows // 64)
-
     def plan_policy(self, rows: int) -> tuple[int, int, int]:
         """The planner's (``fixed_cost``, ``unsplit_slack``, ``even_split_slack``) in blocks for requests of
-        ``rows`` query rows (s_q x h_q): ``plan_splits(lengths, parts, 64, *policy)``."""
-        tiles = -(-rows // 64)
-        return self.split_fixed_cost, self.plan_slack(rows), self.even_split_slack * tiles
+        ``rows`` query rows, s_q x h_q (``planner.split_policy``)."""
+        return split_policy(self, rows)
 
     def validate(self) -> None:
         """Reject impossible schedules before compiling, with the reason."""

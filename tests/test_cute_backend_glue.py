@@ -166,7 +166,7 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     assert sparse_recorder["compile"] == [(2, 128, True, sched)]
     assert sparse_recorder["topk_length"] == [True]  # the kernel that reads the lengths
     policy, lengths, sched_shape, splits_shape = sparse_recorder["scheduler"][0]
-    assert policy == (2, sched.plan_slack(2 * 128), 0) and sched_shape == (7, 8) and splits_shape == (4,)
+    assert policy == sched.plan_policy(2 * 128) == (2, 0, 0) and sched_shape == (7, 8) and splits_shape == (4,)
     assert lengths.tolist() == [1, 70, 128]  # clamped to [1, topk] for the planner
     (qq, cache, idx, tl, records, splits, o, l, o_acc, lse_acc, sk, scale) = sparse_recorder["steps"][0]
     assert cache.dtype == torch.int32 and cache.shape == (4, 64, 164)  # 656-byte rows as words
@@ -359,8 +359,8 @@ def test_split_policy_rules(kind):
         with pytest.raises(ValueError, match="num_sm_parts must be None or an int >= 1"):
             cls(num_sm_parts=bad).validate()
     sched = cls(unsplit_slack=3)
-    assert [sched.plan_slack(rows) for rows in (1, 16, 64, 65, 128, 256)] == [3, 3, 3, 6, 6, 12]
-    assert cls(unsplit_slack=0).plan_slack(256) == 0
+    assert [sched.plan_policy(rows)[1] for rows in (1, 16, 64, 65, 128, 256)] == [3, 3, 3, 6, 6, 12]
+    assert cls(unsplit_slack=0).plan_policy(256)[1] == 0
     assert cls(split_fixed_cost=2, unsplit_slack=3, even_split_slack=1).plan_policy(130) == (2, 9, 3)
     assert sched.kernel_key() == cls(unsplit_slack=0, even_split_slack=7).kernel_key()
 
