@@ -1,15 +1,26 @@
 """Combine kernel: merges the fp32 partials of split requests (log-sum-exp rule).
 
-Grid (b, h_kv, ceil(rows / 4) * chunks); 4 warps, one query row per warp.  ``chunks`` is picked
-at launch from the batch size: a batch of at most ``chunked_batch`` requests (the schedule's
-``combine_chunked_batch``) splits each row into 4 column chunks of 128 on 4 CTAs, a larger batch
-gives each warp the whole row.  Lane l owns the columns 4l + 128k of its chunk or row, read as
-16-byte vectors.  Requests that were not split were written by the split kernel directly and
-are skipped here.
+Three launches, picked at run time from the batch size b and the parts the workspace was sized for:
+- whole rows (b > ``chunked_batch``, the schedule's ``combine_chunked_batch``): grid
+  (b, h_kv, ceil(rows / 4)), 4 warps, one query row a warp, its partials loaded in groups of 8
+  behind a register double buffer;
+- column chunks (a small batch): the same, but each row split into 4 column chunks of 128 on 4
+  CTAs;
+- spread chunks (a small batch whose requests may each span ``spread_partials`` parts or more, the
+  schedule's ``combine_spread_partials``: b = 1 with 66 or 132 parts): grid (b, h_kv, rows * 4), one
+  CTA of 8 warps a row chunk.  Warp w merges partials w, w + 8, ... into a running (max, sum, O)
+  of its own, 8 loads in flight; the warps meet in shared memory, where warp 0 merges their results
+  and writes the chunk.  A row of up to 64 partials waits for one group of loads instead of eight.
+Lane l owns the columns 4l + 128k of its chunk or row, read as 16-byte vectors.  Requests that
+were not split were written by the split kernel directly and are skipped here.
 
-Why chunks for a small batch only: at b = 1, h_q = 128 there are 128 rows with 66 partials each,
-and whole-row CTAs left most SMs idle.  A large batch has rows enough, few partials a row, and
-would pay 4x the (mostly empty) CTAs.
+Why chunks for a small batch only: at b = 1, h_q = 128 there are 128 rows with 66 partials each;
+whole-row CTAs left most SMs idle.  A large batch has rows enough, few partials a row, and would
+pay 4x the (mostly empty) CTAs.  Why spread only where the partials are many: with 33 a row (b = 4,
+66 parts) the spread kernel's 8x the warps and its barrier cost more than they save (H200, the
+combine alone: 9.3 us against 7.9 one warp a chunk, partials in L2); with 66 or 132 a row (b = 1)
+one warp a chunk waits for 9 or 17 groups of loads in turn, and the spread calls were 3-11% faster
+(docs/performance.md, entry 31).
 
 Partial i of a row carries O_i (normalised by its own sum) and lse_i in base 2 (-inf
 when it saw no token).  With L = log2(sum_i 2^lse_i):  out = sum_i 2^(lse_i - L) O_i,
@@ -23,6 +34,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.memory import SmemAllocator
 
 from .consumer import LOG2_E, sink_factor
 from .layouts import lse_rows, out_rows
@@ -33,14 +45,18 @@ VEC = 4
 CHUNKS = 4  # column chunks of a row in a small batch
 ROW_VECTORS = D_V // (32 * VEC)  # 16-byte vectors per lane for a whole row
 VECTORS_IN_FLIGHT = 8  # 16-byte loads a thread issues as one group of partials
+CHUNK_COLS = D_V // CHUNKS
+SPREAD_WARPS = 8  # warps sharing one row chunk's partials in the spread kernel
 LN_2 = math.log(2.0)
 
 
 class CombineKernel:
     num_threads = 32 * ROWS_PER_CTA
 
-    def __init__(self, dtype, group: int, s_q: int, has_sink: bool = False, chunked_batch: int = 4):
+    def __init__(self, dtype, group: int, s_q: int, has_sink: bool = False, chunked_batch: int = 4,
+                 spread_partials: int = 48):
         self.dtype = dtype
+        self.spread_partials = spread_partials
         self.has_sink = has_sink
         self.group = group
         self.s_q = s_q
@@ -62,15 +78,41 @@ class CombineKernel:
         h_kv = mOAccum.shape[1]
         mOut = out_rows(mOut, h_kv, self.group, self.s_q)
         mLse = lse_rows(mLse, h_kv, self.group, self.s_q)
-        chunks = cutlass.Int32(cutlass.select_(mOut.shape[0] <= self.chunked_batch, CHUNKS, 1))
-        self.kernel(mNumSplits, mOAccum, mLseAccum, mOut, mLse, mSink).launch(
-            grid=[mOut.shape[0], h_kv, self.row_blocks * chunks],
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-        )
+
+        @cute.struct
+        class SpreadRow:
+            """A spread row's shared memory: each warp's running max and sum, and its O of the chunk."""
+
+            top: cute.struct.MemRange[cutlass.Float32, SPREAD_WARPS]
+            total: cute.struct.MemRange[cutlass.Float32, SPREAD_WARPS]
+            acc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SPREAD_WARPS * CHUNK_COLS], 16]
+
+        self.spread_row = SpreadRow
+        batch = mOut.shape[0]
+        small = batch <= self.chunked_batch
+        # The partials a request may have: one per part it spans (the workspace holds b + parts).
+        parts = mOAccum.shape[0] - batch
+        spread = small & (parts >= self.spread_partials * batch)
+        if cutlass.const_expr(self.spread_partials == 0):
+            spread = cutlass.Boolean(False)
+        if spread:
+            self.spread_kernel(mNumSplits, mOAccum, mLseAccum, mOut, mLse, mSink).launch(
+                grid=[batch, h_kv, self.rows * CHUNKS],
+                block=[32 * SPREAD_WARPS, 1, 1],
+                smem=SpreadRow.size_in_bytes(),
+                stream=stream,
+            )
+        else:
+            chunks = cutlass.Int32(cutlass.select_(small, CHUNKS, 1))
+            self.kernel(mNumSplits, mOAccum, mLseAccum, mOut, mLse, mSink).launch(
+                grid=[batch, h_kv, self.row_blocks * chunks],
+                block=[self.num_threads, 1, 1],
+                stream=stream,
+            )
 
     @cute.kernel
     def kernel(self, mNumSplits, mOAccum, mLseAccum, mOut, mLse, mSink):
+        """Four rows a CTA, one a warp: whole rows, or (a small batch) one column chunk of each."""
         tidx, _, _ = cute.arch.thread_idx()
         req, kv_head, block = cute.arch.block_idx()
         _, _, blocks = cute.arch.grid_dim()
@@ -86,6 +128,98 @@ class CombineKernel:
             else:
                 self.merge_row(mOAccum, mLseAccum, mOut, mLse, mSink, req, kv_head, row, start, n,
                                (block % chunks) * 32, lane, ROW_VECTORS // CHUNKS)
+
+    @cute.kernel
+    def spread_kernel(self, mNumSplits, mOAccum, mLseAccum, mOut, mLse, mSink):
+        """One row's column chunk, its partials spread over the CTA's warps (a small batch)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        req, kv_head, block = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        row = block // CHUNKS
+        chunk = block - row * CHUNKS
+        vec = chunk * (CHUNK_COLS // VEC) + lane
+        start = mNumSplits[req]
+        n = mNumSplits[req + 1] - start
+        if n > 1:  # the same for the whole CTA: its barrier below is reached by every thread or none
+            sink2 = cutlass.Float32(0.0)
+            if cutlass.const_expr(self.has_sink):
+                sink2 = mSink[row % self.group] * LOG2_E  # loaded with the partials, not after them
+            storage = SmemAllocator().allocate(self.spread_row)
+            sTop = storage.top.get_tensor(cute.make_layout(SPREAD_WARPS))
+            sTotal = storage.total.get_tensor(cute.make_layout(SPREAD_WARPS))
+            sAcc = storage.acc.get_tensor(cute.make_layout((VEC, 32, SPREAD_WARPS), stride=(1, VEC, CHUNK_COLS)))
+            top, total, acc = self.merge_spread(mOAccum, mLseAccum, kv_head, row, start, n, warp, vec)
+            if lane == 0:
+                sTop[warp] = top
+                sTotal[warp] = total
+            cute.autovec_copy(acc, sAcc[None, lane, warp])
+            cute.arch.sync_threads()
+            if warp == 0:
+                self.finish_spread(sTop, sTotal, sAcc, mOut, mLse, sink2, req, kv_head, row, vec, lane, chunk == 0)
+
+    @cute.jit
+    def merge_spread(self, mOAccum, mLseAccum, kv_head, row, start, n, warp, vec):
+        """This warp's partials (warp, warp + 8, ...) merged: their max lse, the sum of 2^(lse_i - max),
+        and sum 2^(lse_i - max) O_i over the lane's 4 columns.  A group's 8 loads are issued together (a
+        partial past the row's last is not loaded: lse -inf, weight 0)."""
+        top = -cutlass.Float32.inf
+        total = cutlass.Float32(0.0)
+        acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        acc.fill(0.0)
+        stride = SPREAD_WARPS * VECTORS_IN_FLIGHT
+        for first in cutlass.range(warp, n, stride, unroll=1):
+            lse = cute.make_rmem_tensor((VECTORS_IN_FLIGHT,), cutlass.Float32)
+            vals = cute.make_rmem_tensor((VEC, VECTORS_IN_FLIGHT), cutlass.Float32)
+            for i in cutlass.range_constexpr(VECTORS_IN_FLIGHT):
+                s = first + i * SPREAD_WARPS
+                lse[i] = -cutlass.Float32.inf
+                vals[None, i].fill(0.0)
+                if s < n:
+                    lse[i] = mLseAccum[start + s, kv_head, row]
+                    vals[None, i].store(cute.local_tile(mOAccum[start + s, kv_head, row, None], (VEC,), (vec,)).load())
+            new_top = top
+            for i in cutlass.range_constexpr(VECTORS_IN_FLIGHT):
+                new_top = cute.arch.fmax(new_top, lse[i])
+            if new_top > -cutlass.Float32.inf:
+                scale = cute.math.exp2(top - new_top, fastmath=True)
+                total = total * scale
+                for j in cutlass.range_constexpr(VEC):
+                    acc[j] = acc[j] * scale
+                for i in cutlass.range_constexpr(VECTORS_IN_FLIGHT):
+                    w = cute.math.exp2(lse[i] - new_top, fastmath=True)
+                    total = total + w
+                    for j in cutlass.range_constexpr(VEC):
+                        acc[j] = acc[j] + w * vals[j, i]
+            top = new_top
+        return top, total, acc
+
+    @cute.jit
+    def finish_spread(self, sTop, sTotal, sAcc, mOut, mLse, sink2, req, kv_head, row, vec, lane, writes_lse):
+        """Warp 0: the warps' results merged into the chunk's output (and, for chunk 0, the row's lse)."""
+        row_top = -cutlass.Float32.inf
+        for w in cutlass.range_constexpr(SPREAD_WARPS):
+            row_top = cute.arch.fmax(row_top, sTop[w])
+        total = cutlass.Float32(0.0)
+        if row_top > -cutlass.Float32.inf:
+            for w in cutlass.range_constexpr(SPREAD_WARPS):
+                total = total + sTotal[w] * cute.math.exp2(sTop[w] - row_top, fastmath=True)
+        lse2 = cutlass.Float32.inf
+        if total > 0.0:
+            lse2 = cute.math.log2(total, fastmath=False) + row_top
+        factor = cutlass.Float32(1.0)
+        if cutlass.const_expr(self.has_sink):
+            factor = sink_factor(sink2, lse2)
+        out = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        out.fill(0.0)
+        for w in cutlass.range_constexpr(SPREAD_WARPS):
+            weight = cute.math.exp2(sTop[w] - lse2, fastmath=True) * factor
+            part = sAcc[None, lane, w].load()
+            out.store(out.load() + weight * part)
+        dst = cute.local_tile(mOut[req, kv_head, row, None], (VEC,), (vec,))
+        dst.store(out.load().to(self.dtype))
+        if lane == 0 and writes_lse:
+            mLse[req, kv_head, row] = lse2 * LN_2
 
     @cute.jit
     def merge_row(self, mOAccum, mLseAccum, mOut, mLse, mSink, req, kv_head, row, start, n, first_vec, lane,

@@ -29,9 +29,10 @@ def check_split_policy(schedule) -> None:
 
 
 def check_combine(schedule) -> None:
-    value = schedule.combine_chunked_batch
-    if type(value) is not int or value < 0:
-        raise ValueError(f"combine_chunked_batch must be an int >= 0, got {value!r}")
+    for name in ("combine_chunked_batch", "combine_spread_partials"):
+        value = getattr(schedule, name)
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
 def check_smem(schedule) -> None:

@@ -81,6 +81,12 @@ class DenseDecodeSchedule:
     combine_chunked_batch: the largest batch whose combine splits each row into 4 column chunks,
         one CTA each (0: never).  A small batch has few rows and many partials a row; chunks
         spread them over more SMs (b = 1, 128K: 94 -> 85 us on the H200).
+    combine_spread_partials: a batch of at most ``combine_chunked_batch`` requests whose requests may each
+        span this many parts or more (parts / b >= this) merges each row chunk on 8 warps, each taking
+        every 8th partial, which meet in shared memory; else one warp a row chunk (0: never).  b = 1 has
+        66 or 132 parts.  Measured on the H200 (docs/performance.md, entry 31): b = 1 calls 3-11% faster
+        (dense h_q = 128, 128K: 70.7-71.0 us against 72.8-73.2), b = 2 with 132 parts 4%; the combine
+        alone at b = 4 with 33 partials a row (partials in L2) 9.3 us against 7.9 one warp a chunk.
     """
 
     kv_stages: int = 2
@@ -93,6 +99,7 @@ class DenseDecodeSchedule:
     even_split_slack: int = 4
     num_sm_parts: Optional[int] = None
     combine_chunked_batch: int = 4
+    combine_spread_partials: int = 48
     cross_term_first: Optional[bool] = None
     tile_multicast: Optional[bool] = None
     load_warpgroup: Optional[bool] = None
@@ -100,7 +107,7 @@ class DenseDecodeSchedule:
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
         return (self.kv_stages, self.qk_prefetch, self.kv_evict_first, self.seesaw, self.combine_chunked_batch,
-                self.cross_term_first, self.tile_multicast, self.load_warpgroup_on())
+                self.combine_spread_partials, self.cross_term_first, self.tile_multicast, self.load_warpgroup_on())
 
     def load_warpgroup_on(self) -> bool:
         """``load_warpgroup`` resolved (None: on with the seesaw kernel)."""

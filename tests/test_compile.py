@@ -135,13 +135,15 @@ def test_dense_tile_multicast_refuses_m_tiles_it_cannot_pair(s_q, h_q, causal):
 def test_combine_and_scheduler_compile_without_spills(capfd):
     from mla_cute.kernels.build import compile_combine, compile_scheduler
 
-    compile_combine(torch.bfloat16, 2, 64, 1, options=OPTIONS)
+    ptx = compile_combine(torch.bfloat16, 2, 64, 1, options=OPTIONS).__ptx__
+    # Two kernels: rows / column chunks a warp each, and the spread chunks, whose warps meet at a barrier.
+    assert ptx.count(".entry") == 2 and "spread_kernel" in ptx and "bar.sync" in ptx
     compile_scheduler(5, options=OPTIONS)
     compile_scheduler(5, 12, options=OPTIONS)  # with the search for a plan of whole requests
     compile_scheduler(5, 0, 4, options=OPTIONS)  # for a plan of even pieces
     compile_scheduler(5, 12, 4, options=OPTIONS)  # both
     spills, _ = _ptxas_report(capfd.readouterr().err)
-    assert len(spills) == 5 and all(s == (0, 0, 0) for s in spills), spills
+    assert len(spills) == 6 and all(s == (0, 0, 0) for s in spills), spills
 
 
 def _check_register_split(ptx: str, regs: list, inc_warpgroups: int = 1) -> None:

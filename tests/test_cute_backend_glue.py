@@ -329,17 +329,18 @@ def test_sparse_schedule_rules():
     assert _resolve_schedule(None, SparseDecodeSchedule) == SparseDecodeSchedule()
 
 
+@pytest.mark.parametrize("field", ["combine_chunked_batch", "combine_spread_partials"])
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
-def test_combine_chunked_batch_rule(kind):
+def test_combine_field_rules(kind, field):
     from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
 
     cls = DenseDecodeSchedule if kind == "dense" else SparseDecodeSchedule
     for good in (0, 1, 4, 1000):
-        cls(combine_chunked_batch=good).validate()
+        cls(**{field: good}).validate()
     for bad in (-1, True, 4.0, "4", None):
-        with pytest.raises(ValueError, match="combine_chunked_batch must be an int >= 0"):
-            cls(combine_chunked_batch=bad).validate()
-    assert cls().kernel_key() != cls(combine_chunked_batch=0).kernel_key()
+        with pytest.raises(ValueError, match=f"{field} must be an int >= 0"):
+            cls(**{field: bad}).validate()
+    assert cls().kernel_key() != cls(**{field: 0}).kernel_key()
 
 
 @pytest.mark.parametrize("kind", ["dense", "sparse"])

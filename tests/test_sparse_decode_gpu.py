@@ -73,9 +73,13 @@ def test_topk_length_and_sinks():
                       reuse=2)
 
 
-def test_sink_with_splits_and_few_requests():
-    """b=2 with long topk: every request is split over many CTAs, so the sink goes through the combine."""
-    run_and_check(make_sparse_case(2, 1, 64, 8192, 4096, 64, attn_sink=torch.linspace(-3, 3, 64), seed=5))
+@pytest.mark.parametrize("b", [1, 2])
+def test_sink_with_splits_and_few_requests(b):
+    """b <= 2 with long topk: every request is split over many CTAs, so the sink goes through the combine
+    (its spread launch: 132 parts, at least 48 a request), with sinks of -inf and +inf among them."""
+    sink = torch.linspace(-3, 3, 64)
+    sink[3], sink[7] = float("inf"), float("-inf")
+    run_and_check(make_sparse_case(b, 1, 64, 8192, 4096, 64, attn_sink=sink, seed=5))
 
 
 def test_out_of_range_indices_are_skipped():
