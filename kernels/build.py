@@ -23,9 +23,10 @@ def _s64():
     return _sym(8, 64)  # 16-byte aligned strides of 16-bit tensors, as TMA needs
 
 
-def _split_io(dtype, b, s_q: int, h_q: int, h_kv: int):
-    """Fake scheduler records and split counts, FlashMLA's out / lse, and the fp32 partials:
-    (sched, num_splits, out, lse, o_accum, lse_accum), as every decode step takes them."""
+def _split_io(dtype, b, s_q: int, h_q: int, h_kv: int, partial_dtype=cutlass.Float32):
+    """Fake scheduler records and split counts, FlashMLA's out / lse, and the partials (O in
+    ``partial_dtype``, lse in fp32): (sched, num_splits, out, lse, o_accum, lse_accum), as every decode
+    step takes them."""
     rows = s_q * (h_q // h_kv)
     splits = _sym()
     order4 = (3, 2, 1, 0)
@@ -34,7 +35,7 @@ def _split_io(dtype, b, s_q: int, h_q: int, h_kv: int):
         make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
         make_fake_compact_tensor(dtype, (b, s_q, h_q, D_V), stride_order=order4, assumed_align=16),
         make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4),
-        make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows, D_V), stride_order=order4, assumed_align=16),
+        make_fake_compact_tensor(partial_dtype, (splits, h_kv, rows, D_V), stride_order=order4, assumed_align=16),
         make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16),
     )
 
@@ -43,7 +44,7 @@ def _scale_and_stream():
     return cutlass.Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
-def dense_decode_signature(dtype, s_q: int, h_q: int, h_kv: int, page: int):
+def dense_decode_signature(dtype, s_q: int, h_q: int, h_kv: int, page: int, partial_dtype=cutlass.Float32):
     """Fake tensors matching ``DenseDecodeKernel.__call__``."""
     rows = s_q * (h_q // h_kv)
     b, nb, mb = _sym(), _sym(), _sym()
@@ -51,7 +52,7 @@ def dense_decode_signature(dtype, s_q: int, h_q: int, h_kv: int, page: int):
     k = make_fake_tensor(dtype, (nb, page, h_kv, D_QK), (_s64(), _s64(), _s64(), 1), assumed_align=16)
     block_table = make_fake_tensor(cutlass.Int32, (b, mb), (_sym(1, 64), 1), assumed_align=4)
     seqlens = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4)
-    return (q, k, block_table, seqlens, *_split_io(dtype, b, s_q, h_q, h_kv), *_scale_and_stream())
+    return (q, k, block_table, seqlens, *_split_io(dtype, b, s_q, h_q, h_kv, partial_dtype), *_scale_and_stream())
 
 
 def dense_decode_key(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int, schedule: DenseDecodeSchedule):
@@ -64,7 +65,7 @@ def _describe(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) -> str:
             f"page={page} kv_stages={schedule.kv_stages} qk_prefetch={schedule.qk_prefetch} "
             f"kv_evict_first={schedule.kv_evict_first} seesaw={schedule.seesaw} "
             f"cross_term_first={schedule.cross_term_first} tile_multicast={schedule.tile_multicast} "
-            f"load_warpgroup={schedule.load_warpgroup_on()}")
+            f"load_warpgroup={schedule.load_warpgroup_on()} partials_16bit={schedule.partials_16bit}")
 
 
 def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int,
@@ -88,7 +89,8 @@ def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: boo
             combine = CombineKernel(dtype, group, s_q, chunked_batch=schedule.combine_chunked_batch,
                                     spread_partials=schedule.combine_spread_partials)
             kernel = DenseDecodeStep(kernel, combine)
-        args = dense_decode_signature(dtype, s_q, h_q, h_kv, page)
+        partial = dtype if schedule.partials_16bit else cutlass.Float32
+        args = dense_decode_signature(dtype, s_q, h_q, h_kv, page, partial)
         return cute.compile(kernel, *args, options=compile_options(options))
 
     what = ("dense decode step " if with_combine else "dense decode split kernel ") + _describe(
@@ -133,7 +135,7 @@ def compile_scheduler(fixed_cost: int, unsplit_slack: int = 0, even_split_slack:
     return cached_compile(key, build, describe=what, persistent=not options)
 
 
-def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length: bool):
+def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length: bool, partials_16bit: bool = False):
     """Fake tensors matching ``SparseDecodeFp8Kernel.__call__`` (and the sparse step)."""
     from .sparse_decode_fp8 import ROW_BYTES
 
@@ -146,7 +148,8 @@ def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length:
     indices = make_fake_tensor(cutlass.Int32, (b, s_q, topk), (_sym(1, 64), _sym(1, 64), 1), assumed_align=4)
     topk_len = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4) if has_topk_length else None
     sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if has_sink else None
-    return (q, cache, indices, topk_len, *_split_io(bf16, b, s_q, h_q, 1), sink, *_scale_and_stream())
+    partial = bf16 if partials_16bit else cutlass.Float32
+    return (q, cache, indices, topk_len, *_split_io(bf16, b, s_q, h_q, 1, partial), sink, *_scale_and_stream())
 
 
 def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options: str = "", *,
@@ -169,12 +172,13 @@ def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options:
             kernel = SparseDecodeStep(
                 kernel, CombineKernel(cutlass.BFloat16, h_q, s_q, has_sink, schedule.combine_chunked_batch,
                                      schedule.combine_spread_partials))
-        return cute.compile(kernel, *sparse_decode_signature(s_q, h_q, has_sink, has_topk_length),
+        args = sparse_decode_signature(s_q, h_q, has_sink, has_topk_length, schedule.partials_16bit)
+        return cute.compile(kernel, *args,
                             options=compile_options(options))
 
     what = (("sparse decode step " if with_combine else "sparse decode split kernel ")
             + f"s_q={s_q} h_q={h_q} sink={bool(has_sink)} topk_length={bool(has_topk_length)} "
             + f"kv_stages={schedule.kv_stages} "
             + f"crossover={schedule.crossover} peer_bulk_copy={schedule.peer_bulk_copy} "
-            + f"leader_follower={schedule.leader_follower}")
+            + f"leader_follower={schedule.leader_follower} partials_16bit={schedule.partials_16bit}")
     return cached_compile(key, build, describe=what, persistent=not options)

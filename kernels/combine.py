@@ -22,8 +22,9 @@ combine alone: 9.3 us against 7.9 one warp a chunk, partials in L2); with 66 or 
 one warp a chunk waits for 9 or 17 groups of loads in turn, and the spread calls were 3-11% faster
 (docs/performance.md, entry 31).
 
-Partial i of a row carries O_i (normalised by its own sum) and lse_i in base 2 (-inf
-when it saw no token).  With L = log2(sum_i 2^lse_i):  out = sum_i 2^(lse_i - L) O_i,
+Partial i of a row carries O_i (normalised by its own sum; fp32, or the output's 16-bit dtype with
+the schedule's ``partials_16bit``) and lse_i in base 2, fp32 (-inf when it saw no token).  With
+L = log2(sum_i 2^lse_i):  out = sum_i 2^(lse_i - L) O_i,
 lse = L * ln 2; L = -inf (nothing attended anywhere) gives out 0 and lse +inf.  With an
 attention sink (sparse decode), out is further scaled by 2^L / (2^L + 2^sink); lse is not.
 """
@@ -177,7 +178,8 @@ class CombineKernel:
                 vals[None, i].fill(0.0)
                 if s < n:
                     lse[i] = mLseAccum[start + s, kv_head, row]
-                    vals[None, i].store(cute.local_tile(mOAccum[start + s, kv_head, row, None], (VEC,), (vec,)).load())
+                    src = cute.local_tile(mOAccum[start + s, kv_head, row, None], (VEC,), (vec,))
+                    vals[None, i].store(load_fp32(src))
             new_top = top
             for i in cutlass.range_constexpr(VECTORS_IN_FLIGHT):
                 new_top = cute.arch.fmax(new_top, lse[i])
@@ -275,7 +277,7 @@ class CombineKernel:
                 lse[i] = -cutlass.Float32.inf
             src = mOAccum[s, kv_head, row, None]
             for k in cutlass.range_constexpr(vectors):
-                vals[None, k, i].store(cute.local_tile(src, (VEC,), (vec + 32 * k,)).load())
+                vals[None, k, i].store(load_fp32(cute.local_tile(src, (VEC,), (vec + 32 * k,))))
 
     @cute.jit
     def accumulate(self, acc, lse, vals, lse2, factor):
@@ -306,3 +308,11 @@ class CombineKernel:
         if total > 0.0:
             lse2 = cute.math.log2(total, fastmath=False) + row_top
         return lse2
+
+
+@cute.jit
+def load_fp32(src):
+    """A vector of partial O as fp32 (the partials are fp32, or 16-bit with ``partials_16bit``)."""
+    if cutlass.const_expr(src.element_type == cutlass.Float32):
+        return src.load()
+    return src.load().to(cutlass.Float32)

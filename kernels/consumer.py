@@ -279,10 +279,10 @@ class SplitKVConsumer:
         kernel's shared row max); None: ``rows.row_max`` times ``scale_log2``.
         ``splits``: ``num_splits[req]`` and ``num_splits[req + 1]``, loaded when the request began
         (``load_splits``).
-        ``staged``: a ``StagedRows``: final rows go through shared memory and bulk copies (thread 0 of
-        warpgroup ``staged.issuer`` has issued them, and waited until they read shared memory, on
-        return); None: stored from registers.  Partials (fp32, twice the bytes) always leave from
-        registers."""
+        ``staged``: a ``StagedRows``: final rows, and 16-bit partials, go through shared memory and bulk
+        copies (thread 0 of warpgroup ``staged.issuer`` has issued them, and waited until they read shared
+        memory, on return); None: stored from registers.  fp32 partials (the workspace's dtype decides,
+        ``partials_16bit`` of the schedule) leave from registers."""
         wg, tid, row0 = v.wg, v.tid, rows.row0
         row_sum = rows.row_sum
         for i in cutlass.range_constexpr(2):
@@ -329,7 +329,13 @@ class SplitKVConsumer:
             split = splits[0]
             if req == work.begin_req:
                 split = split + work.begin_split
-            self.store_pairs(v, inv, outs.o_accum, split, tile, col_base, cutlass.Float32)
+            if cutlass.const_expr(outs.o_accum.element_type == cutlass.Float32):
+                self.store_pairs(v, inv, outs.o_accum, split, tile, col_base, cutlass.Float32)
+            else:
+                # 16-bit partials leave as final rows do: a 32-bit store per column pair would fill half of
+                # each 32-byte sector it touches.
+                assert staged is not None, "16-bit partials need the staged epilogue"
+                self.store_staged(v, inv, staged, outs.o_accum, split, tile, col_base)
             if wg == 0 and tid % 4 == 0:
                 for i in cutlass.range_constexpr(2):
                     r = row0 + 8 * i
@@ -337,9 +343,10 @@ class SplitKVConsumer:
                         outs.lse_accum[split, tile.kv_head, tile.row_base + r] = lse2[i]
 
     @cute.jit
-    def store_staged(self, v, inv, staged, out, req, tile, col_base):
+    def store_staged(self, v, inv, staged, out, first_mode, tile, col_base):
         """O * inv into the staging rows, then (thread 0 of warpgroup ``staged.issuer``) one bulk copy per
-        row to ``out[req, kv_head, row]``, waited for until shared memory is read."""
+        row to ``out[first_mode, kv_head, row]`` (a request's output, or a split's 16-bit partial), waited
+        for until shared memory is read."""
         for e in cutlass.range_constexpr(0, cute.size(v.acc_o), 2):
             r, c = v.tOcO[e]
             i = (e // 2) % 2
@@ -351,7 +358,7 @@ class SplitKVConsumer:
         staged.written.arrive_and_wait()
         if v.wg == staged.issuer and v.tid == 0:
             for k in cutlass.range(cutlass.min(tile.row_count, BLOCK_M), unroll=1):
-                bulk_copy_to_global(out[req, tile.kv_head, tile.row_base + k, None].iterator,
+                bulk_copy_to_global(out[first_mode, tile.kv_head, tile.row_base + k, None].iterator,
                                     staged.rows[k, None].iterator, D_V * 2)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)

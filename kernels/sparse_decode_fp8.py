@@ -34,7 +34,8 @@ Warpgroup roles (384 threads):
 
 Shared-memory plan (bytes):
   sQ     64 x 576 bf16                    73 728  (leader-follower: after a request's last S, its
-                                                   final rows, 64 x 520 bf16, for bulk copies)
+                                                   final rows or 16-bit partial, 64 x 520 bf16, for
+                                                   bulk copies)
   sKV    kv_stages x 64 x 576 bf16        73 728 each (V is the first 512 columns of K)
   sP     64 x 64 bf16                      8 192
   sMax, sSum  [2][64] fp32                 1 024  (leader-follower: sMax holds the leader's
@@ -621,16 +622,21 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                     bars.p_free.arrive()
             self.exit_arrive_after(req, work)
             # The next Q goes into Q's bytes once nothing reads them: here (the leader's last S came
-            # before the P this warpgroup waited for) when the rows leave from registers (a split's
-            # partials); after the copies of the staged rows otherwise.
+            # before the P this warpgroup waited for) when the rows leave from registers (a split's fp32
+            # partials); after the copies of the staged rows otherwise (final rows, 16-bit partials).
             n_splits = splits[1] - splits[0]
-            if v.tid < 32:
-                if (req < work.end_req) & (n_splits != 1):
-                    q_load.copy(req + 1, self.q_bytes)
+            fp32_partials = outs.o_accum.element_type == cutlass.Float32
+            if cutlass.const_expr(fp32_partials):
+                if v.tid < 32:
+                    if (req < work.end_req) & (n_splits != 1):
+                        q_load.copy(req + 1, self.q_bytes)
             self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, splits=splits,
                           staged=staged)
+            load_after = req < work.end_req
+            if cutlass.const_expr(fp32_partials):
+                load_after = load_after & (n_splits == 1)
             if v.tid < 32:  # after its lane 0 waited for the copies' reads
-                if (req < work.end_req) & (n_splits == 1):
+                if load_after:
                     cute.arch.sync_warp()
                     q_load.copy(req + 1, self.q_bytes)
             # A request's last P_FREE waits for the epilogue: the leader's next sums go into sSum.

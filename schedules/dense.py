@@ -87,6 +87,13 @@ class DenseDecodeSchedule:
         66 or 132 parts.  Measured on the H200 (docs/performance.md, entry 31): b = 1 calls 3-11% faster
         (dense h_q = 128, 128K: 70.7-71.0 us against 72.8-73.2), b = 2 with 132 parts 4%; the combine
         alone at b = 4 with 33 partials a row (partials in L2) 9.3 us against 7.9 one warp a chunk.
+    partials_16bit: a split's partial O in the output's 16-bit dtype (lse stays fp32), staged in shared
+        memory and copied out with bulk copies like the final rows, instead of fp32 from registers:
+        half the partial bytes written and read back by the combine.  Needs the seesaw kernel.  Measured on the
+        H200 (docs/performance.md, entry 32): b = 1 calls 4-6% faster (h_q = 128, 128K: 68.1-68.4 us against
+        70.8-71.1; h_q = 64, 64K: 37.3-37.5 against 39.4-39.7), 64 x 16K within 0.2%; the relative error of
+        split rows 1.3-1.9x higher (b = 1, 128K: 1.2e-3 against 8.1e-4), within FlashMLA's test tolerances.
+        Off: FlashMLA's fp32 partials.
     """
 
     kv_stages: int = 2
@@ -103,15 +110,18 @@ class DenseDecodeSchedule:
     cross_term_first: Optional[bool] = None
     tile_multicast: Optional[bool] = None
     load_warpgroup: Optional[bool] = None
+    partials_16bit: bool = False
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
         return (self.kv_stages, self.qk_prefetch, self.kv_evict_first, self.seesaw, self.combine_chunked_batch,
-                self.combine_spread_partials, self.cross_term_first, self.tile_multicast, self.load_warpgroup_on())
+                self.combine_spread_partials, self.cross_term_first, self.tile_multicast, self.load_warpgroup_on(),
+                self.partials_16bit)
 
     def load_warpgroup_on(self) -> bool:
         """``load_warpgroup`` resolved (None: on with the seesaw kernel)."""
         return self.seesaw if self.load_warpgroup is None else self.load_warpgroup
+
 
     def cross_term_first_for(self, m_tiles: int, multicast: bool) -> bool:
         """``cross_term_first`` for a kernel with ``m_tiles`` 64-row M tiles a KV head, with tile multicast
@@ -187,6 +197,10 @@ class DenseDecodeSchedule:
             if self.load_warpgroup and not self.seesaw:
                 raise ValueError("load_warpgroup is a seesaw-kernel option (the serial kernel always has its TMA "
                                  "producer warpgroup); set seesaw=True or leave it None")
+        check_bool("partials_16bit", self.partials_16bit)
+        if self.partials_16bit and not self.seesaw:
+            raise ValueError("partials_16bit needs the seesaw kernel (its epilogue stages rows in shared memory "
+                             "for bulk copies); set seesaw=True")
         check_split_policy(self)
         check_combine(self)
         check_smem(self)

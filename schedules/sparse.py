@@ -55,6 +55,12 @@ class SparseDecodeSchedule:
         66 or 132 parts.  Measured on the H200 (docs/performance.md, entry 31): b = 1 calls 3-11% faster
         (dense h_q = 128, 128K: 70.7-71.0 us against 72.8-73.2), b = 2 with 132 parts 4%; the combine
         alone at b = 4 with 33 partials a row (partials in L2) 9.3 us against 7.9 one warp a chunk.
+    partials_16bit: a split's partial O in the output's 16-bit dtype (lse stays fp32), staged in shared
+        memory and copied out with bulk copies like the final rows, instead of fp32 from registers:
+        half the partial bytes written and read back by the combine.  Needs the leader-follower
+        consumers.  Measured on the H200 (docs/performance.md, entry 32, sparse S37): the b = 2 and b = 74
+        rows within 1% (b = 2: 24.9-25.0 us against 24.9-25.2), the relative error at b = 2 3.0e-3 against
+        2.2e-3; dense b = 1 calls were 4-6% faster.  Off: FlashMLA's fp32 partials.
     """
 
     kv_stages: int = 2
@@ -67,11 +73,13 @@ class SparseDecodeSchedule:
     num_sm_parts: Optional[int] = None
     combine_chunked_batch: int = 4
     combine_spread_partials: int = 48
+    partials_16bit: bool = False
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
         return (self.kv_stages, self.crossover, self.peer_bulk_copy, self.leader_follower, self.combine_chunked_batch,
-                self.combine_spread_partials)
+                self.combine_spread_partials, self.partials_16bit)
+
 
     def smem_bytes(self) -> int:
         """The kernel's shared storage: mbarriers, row max/sum, bias, then the 1 KiB-aligned tiles."""
@@ -93,6 +101,10 @@ class SparseDecodeSchedule:
         check_bool("crossover", self.crossover)
         check_bool("peer_bulk_copy", self.peer_bulk_copy)
         check_bool("leader_follower", self.leader_follower)
+        check_bool("partials_16bit", self.partials_16bit)
+        if self.partials_16bit and not self.leader_follower:
+            raise ValueError("partials_16bit needs the leader-follower consumers (their epilogue stages rows in "
+                             "shared memory for bulk copies); set leader_follower=True")
         check_split_policy(self)
         check_combine(self)
         check_smem(self)

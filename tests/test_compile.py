@@ -132,6 +132,33 @@ def test_dense_tile_multicast_refuses_m_tiles_it_cannot_pair(s_q, h_q, causal):
         compile_dense_decode(torch.bfloat16, s_q, h_q, 1, causal, 64, DenseDecodeSchedule(tile_multicast=True))
 
 
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_16bit_partials_leave_through_bulk_copies_without_spills(kind, capfd):
+    """With ``partials_16bit`` a split's rows are staged like the final rows: a second set of bulk copies
+    from shared memory to global memory (one per row), the combine loads 16-bit vectors, no spills."""
+    from mla_cute.kernels.build import compile_dense_decode, compile_sparse_decode
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DEFAULT_SPARSE_SCHEDULE
+
+    if kind == "dense":
+        sched = _with_16bit_partials(DEFAULT_DENSE_SCHEDULE)
+        fn = compile_dense_decode(torch.bfloat16, 1, 128, 1, False, 64, sched, options=OPTIONS, with_combine=True)
+    else:
+        sched = _with_16bit_partials(DEFAULT_SPARSE_SCHEDULE)
+        fn = compile_sparse_decode(2, 128, False, sched, options=OPTIONS, with_combine=True)
+    ptx = fn.__ptx__
+    assert ptx.count("cp.async.bulk.global.shared") == 2, "final rows and partials, each a bulk copy per row"
+    assert re.search(r"ld\.global(\.\w+)*\.v2\.b32", ptx), "the combine's 16-bit partial vectors (4 x 16 bits)"
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    spills, _ = _ptxas_report(capfd.readouterr().err)
+    assert spills and all(sp == (0, 0, 0) for sp in spills), spills
+
+
+def _with_16bit_partials(schedule):
+    import dataclasses
+
+    return dataclasses.replace(schedule, partials_16bit=True)
+
+
 def test_combine_and_scheduler_compile_without_spills(capfd):
     from mla_cute.kernels.build import compile_combine, compile_scheduler
 

@@ -329,6 +329,25 @@ def test_sparse_schedule_rules():
     assert _resolve_schedule(None, SparseDecodeSchedule) == SparseDecodeSchedule()
 
 
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_partials_16bit_rule(kind):
+    """16-bit partials leave through the staged epilogue, which only the seesaw (dense) and the
+    leader-follower consumers (sparse) have; off by default (FlashMLA's fp32 partials)."""
+    from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
+
+    cls, other = ((DenseDecodeSchedule, {"seesaw": False}) if kind == "dense"
+                  else (SparseDecodeSchedule, {"leader_follower": False}))
+    assert cls().partials_16bit is False
+    cls(partials_16bit=True).validate()
+    cls(partials_16bit=False, **other).validate()
+    with pytest.raises(ValueError, match="partials_16bit needs"):
+        cls(partials_16bit=True, **other).validate()
+    for bad in (None, 1, "yes"):
+        with pytest.raises(ValueError, match="partials_16bit must be a bool"):
+            cls(partials_16bit=bad).validate()
+    assert cls().kernel_key() != cls(partials_16bit=True).kernel_key()
+
+
 @pytest.mark.parametrize("field", ["combine_chunked_batch", "combine_spread_partials"])
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
 def test_combine_field_rules(kind, field):

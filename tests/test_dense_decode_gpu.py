@@ -222,6 +222,18 @@ def test_single_long_request():
     assert meta._state["dense"].kernel_schedule.kv_evict_first is True
 
 
+def test_single_long_request_16bit_partials():
+    """b = 1, 128K with 16-bit partials: 132 CTAs each stage a split partial through Q's bytes."""
+    import dataclasses
+
+    import mla_cute
+
+    case = make_dense_case(1, 1, 131072, 128, 1)
+    with mla_cute.use_schedule(dataclasses.replace(_schedules()["seesaw"], partials_16bit=True)):
+        meta = run_and_check(case, 1, False)
+    assert meta._state["dense"].o_accum.dtype == torch.bfloat16
+
+
 def test_single_long_request_normal_loads():
     import mla_cute
 
@@ -231,12 +243,13 @@ def test_single_long_request_normal_loads():
     assert meta._state["dense"].kernel_schedule.kv_evict_first is False
 
 
+@pytest.mark.parametrize("partials_16bit", [False, True])
 @pytest.mark.parametrize("mode", ["whole", "chunks", "spread"])
 @pytest.mark.parametrize("s_q,h_q", [(3, 5), (1, 128)])
-def test_combine_paths(mode, s_q, h_q):
+def test_combine_paths(mode, s_q, h_q, partials_16bit):
     """The combine's three launches (whole rows, column chunks, spread chunks), with 1 to ~30 splits a
     request (below, at and past a warp's load group of partials) and (h_q = 5, s_q = 3) rows not a
-    multiple of 4."""
+    multiple of 4; fp32 partials from registers, or 16-bit ones staged like the final rows."""
     import mla_cute
     from mla_cute.schedules import DenseDecodeSchedule
 
@@ -244,7 +257,7 @@ def test_combine_paths(mode, s_q, h_q):
     lens = [20000] + [rng.choice([1, 64, rng.randint(1, 3000), rng.randint(3000, 9000)]) for _ in range(36)]
     case = make_dense_case(37, s_q, 0, h_q, 1, lengths=lens, gen=torch.Generator().manual_seed(h_q))
     sched = DenseDecodeSchedule(num_sm_parts=132, combine_chunked_batch=0 if mode == "whole" else 64,
-                                combine_spread_partials=1 if mode == "spread" else 0)
+                                combine_spread_partials=1 if mode == "spread" else 0, partials_16bit=partials_16bit)
     with mla_cute.use_schedule(sched):
         meta = run_and_check(case, s_q, s_q > 1)
     splits = (meta.num_splits[1:] - meta.num_splits[:-1]).cpu()

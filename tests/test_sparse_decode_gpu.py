@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -73,13 +75,29 @@ def test_topk_length_and_sinks():
                       reuse=2)
 
 
+@pytest.mark.parametrize("partials_16bit", [False, True])
 @pytest.mark.parametrize("b", [1, 2])
-def test_sink_with_splits_and_few_requests(b):
+def test_sink_with_splits_and_few_requests(b, partials_16bit):
     """b <= 2 with long topk: every request is split over many CTAs, so the sink goes through the combine
-    (its spread launch: 132 parts, at least 48 a request), with sinks of -inf and +inf among them."""
+    (its spread launch: 132 parts, at least 48 a request), with sinks of -inf and +inf among them; fp32
+    partials, or 16-bit ones staged like the final rows."""
+    from mla_cute.schedules import NO_CROSSOVER_SPARSE_SCHEDULE
+
     sink = torch.linspace(-3, 3, 64)
     sink[3], sink[7] = float("inf"), float("-inf")
-    run_and_check(make_sparse_case(b, 1, 64, 8192, 4096, 64, attn_sink=sink, seed=5))
+    schedule = dataclasses.replace(NO_CROSSOVER_SPARSE_SCHEDULE, partials_16bit=partials_16bit)
+    run_and_check(make_sparse_case(b, 1, 64, 8192, 4096, 64, attn_sink=sink, seed=5), schedule=schedule)
+
+
+@pytest.mark.parametrize("b,s_q,topk_length", [(2, 2, None), (5, 1, [0, 1, 700, 2048, 3000])])
+def test_crossover_16bit_partials(b, s_q, topk_length):
+    """The crossover's leader-follower consumers with 16-bit partials (each split's rows staged in Q's
+    bytes, the next request's Q loaded after their copies), h_q = 128, with and without topk_length."""
+    from mla_cute.schedules import CROSSOVER_SPARSE_SCHEDULE
+
+    schedule = dataclasses.replace(CROSSOVER_SPARSE_SCHEDULE, partials_16bit=True)
+    run_and_check(make_sparse_case(b, s_q, 128, 4096, 2048, 64, topk_length=topk_length, seed=17), schedule=schedule,
+                  reuse=2)
 
 
 def test_out_of_range_indices_are_skipped():

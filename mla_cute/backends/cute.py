@@ -67,9 +67,10 @@ def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool) -> None:
         raise NotImplementedError("k_cache needs a contiguous last dimension, 16-byte aligned base and strides")
 
 
-def _split_workspace(meta, lengths, parts: int, policy: tuple, b: int, h_kv: int, rows: int, device):
+def _split_workspace(meta, lengths, parts: int, policy: tuple, b: int, h_kv: int, rows: int, device,
+                     partial_dtype=torch.float32):
     """Run the GPU scheduler (``policy``: the planner's fixed cost and slacks, in blocks) over ``lengths`` into
-    the metadata, and allocate the fp32 partials.
+    the metadata, and allocate the partials (O in ``partial_dtype``, lse in fp32).
 
     At most one partial per request plus one extra per part (a part splits at most one request).
     """
@@ -79,7 +80,7 @@ def _split_workspace(meta, lengths, parts: int, policy: tuple, b: int, h_kv: int
     splits = torch.empty(b + 1, dtype=torch.int32, device=device)
     compile_scheduler(*policy)(lengths, sched, splits)
     meta.tile_scheduler_metadata, meta.num_splits = sched, splits
-    o_accum = torch.empty(b + parts, h_kv, rows, 512, dtype=torch.float32, device=device)
+    o_accum = torch.empty(b + parts, h_kv, rows, 512, dtype=partial_dtype, device=device)
     lse_accum = torch.empty(b + parts, h_kv, rows, dtype=torch.float32, device=device)
     return o_accum, lse_accum
 
@@ -138,7 +139,8 @@ class DensePlan:
                 self.kernel_schedule = chosen
                 self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, chosen, with_combine=split)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, cache_seqlens, parts, policy, b, h_kv, rows, q.device
+            meta, cache_seqlens, parts, policy, b, h_kv, rows, q.device,
+            q.dtype if schedule.partials_16bit else torch.float32,
         )
 
 
@@ -244,7 +246,8 @@ class SparsePlan:
             self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False, has_topk_length=False)
         lengths = (topk_length if given else torch.full((b,), topk, dtype=torch.int32, device=q.device)).clamp(1, topk)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, lengths, parts, policy, b, 1, s_q * h_q, q.device
+            meta, lengths, parts, policy, b, 1, s_q * h_q, q.device,
+            torch.bfloat16 if schedule.partials_16bit else torch.float32,
         )
 
 
