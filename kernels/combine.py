@@ -1,4 +1,4 @@
-"""Combine kernel: merges the fp32 partials of split requests (log-sum-exp rule).
+"""Combine kernel: merges the partials of split requests (log-sum-exp rule).
 
 Three launches, picked at run time from the batch size b and the parts the workspace was sized for:
 - whole rows (b > ``chunked_batch``, the schedule's ``combine_chunked_batch``): grid
@@ -11,8 +11,9 @@ Three launches, picked at run time from the batch size b and the parts the works
   CTA of 8 warps a row chunk.  Warp w merges partials w, w + 8, ... into a running (max, sum, O)
   of its own, 8 loads in flight; the warps meet in shared memory, where warp 0 merges their results
   and writes the chunk.  A row of up to 64 partials waits for one group of loads instead of eight.
-Lane l owns the columns 4l + 128k of its chunk or row, read as 16-byte vectors.  Requests that
-were not split were written by the split kernel directly and are skipped here.
+Lane l owns the columns 4l + 128k of its chunk or row, read as vectors of 4 (16 bytes of fp32 partials,
+8 of 16-bit ones) and summed in fp32.  Requests that were not split were written by the split kernel
+directly and are skipped here.
 
 Why chunks for a small batch only: at b = 1, h_q = 128 there are 128 rows with 66 partials each;
 whole-row CTAs left most SMs idle.  A large batch has rows enough, few partials a row, and would

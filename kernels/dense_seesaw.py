@@ -34,7 +34,8 @@ consumes sub-tile j as soon as it lands:
 
 Warpgroup roles (one CTA per SM):
   WG0  S of the even tiles, O_L; hands back sub-tiles 0-3 of both buffers, and Q's bytes after a
-       request's epilogue.  Its thread 0 issues the bulk copies of a request's final rows.
+       request's epilogue.  Its thread 0 issues the bulk copies of a request's final rows (and, with
+       ``partials_16bit``, of a split's partial).
   WG1  S of the odd tiles, O_R; hands back sub-tiles 4-8 of both buffers.
   WG2  (load warpgroup; 384 threads, setmaxnreg: 240 registers for WG0 and WG1, 24 for WG2) its
        first warp issues Q and every tile's copies; the other three warps idle.
@@ -47,8 +48,9 @@ Shared-memory plan (16-bit q/cache; bytes):
   sQ      64 x 576                        73 728  (its last 64 x 64 sub-tile, the RoPE part of Q,
                                                    is held in registers once Q lands and the
                                                    bytes serve as sP1; after a request's last
-                                                   pair its final rows are staged here, 64 rows
-                                                   of 520 elements, for the bulk copies out)
+                                                   pair its final rows (or 16-bit partial) are
+                                                   staged here, 64 rows of 520 elements, for the
+                                                   bulk copies out)
   sK      2 x 64 x 576                   147 456  (V is the first 512 columns of K)
   sP0     64 x 64                          8 192
   sM, sScale, sSum  3 x [64][2] fp32       1 536  (row max in log2 units in sM[:, 0]; the rescale

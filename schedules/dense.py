@@ -89,11 +89,11 @@ class DenseDecodeSchedule:
         alone at b = 4 with 33 partials a row (partials in L2) 9.3 us against 7.9 one warp a chunk.
     partials_16bit: a split's partial O in the output's 16-bit dtype (lse stays fp32), staged in shared
         memory and copied out with bulk copies like the final rows, instead of fp32 from registers:
-        half the partial bytes written and read back by the combine.  Needs the seesaw kernel.  Measured on the
-        H200 (docs/performance.md, entry 32): b = 1 calls 4-6% faster (h_q = 128, 128K: 68.1-68.4 us against
-        70.8-71.1; h_q = 64, 64K: 37.3-37.5 against 39.4-39.7), 64 x 16K within 0.2%; the relative error of
-        split rows 1.3-1.9x higher (b = 1, 128K: 1.2e-3 against 8.1e-4), within FlashMLA's test tolerances.
-        Off: FlashMLA's fp32 partials.
+        half the partial bytes written and read back by the combine.  Needs the seesaw kernel.  Measured
+        on the H200 (docs/performance.md, entry 32): b = 1 calls 4-6% faster (h_q = 128, 128K: 68.1-68.4 us
+        against 70.8-71.1; h_q = 64, 64K: 37.3-37.5 against 39.4-39.7), 64 x 16K within 0.2%; the relative
+        error of split rows 1.3-1.9x higher (b = 1, 128K: 1.2e-3 against 8.1e-4), within FlashMLA's test
+        tolerances.  Off: FlashMLA's fp32 partials.
     """
 
     kv_stages: int = 2

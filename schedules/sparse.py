@@ -49,12 +49,10 @@ class SparseDecodeSchedule:
     combine_chunked_batch: the largest batch whose combine splits each row into 4 column chunks,
         one CTA each (0: never).  A small batch has few rows and many partials a row; chunks
         spread them over more SMs (b = 2, s_q = 2: 30.6 -> 28.5 us on the H200).
-    combine_spread_partials: a batch of at most ``combine_chunked_batch`` requests whose requests may each
-        span this many parts or more (parts / b >= this) merges each row chunk on 8 warps, each taking
-        every 8th partial, which meet in shared memory; else one warp a row chunk (0: never).  b = 1 has
-        66 or 132 parts.  Measured on the H200 (docs/performance.md, entry 31): b = 1 calls 3-11% faster
-        (dense h_q = 128, 128K: 70.7-71.0 us against 72.8-73.2), b = 2 with 132 parts 4%; the combine
-        alone at b = 4 with 33 partials a row (partials in L2) 9.3 us against 7.9 one warp a chunk.
+    combine_spread_partials: as for dense decode, the parts a request may span (parts / b) from which a
+        small batch's combine spreads each row chunk over 8 warps (0: never).  Sparse parts are 132 / (s_q x
+        64-head tiles), so b = 1 or 2 at s_q = 1, h_q = 64: b = 1, topk 8192 10% faster on the H200; the b =
+        2, s_q = 2 row (16 parts a request) keeps one warp a row chunk (docs/performance.md, S36).
     partials_16bit: a split's partial O in the output's 16-bit dtype (lse stays fp32), staged in shared
         memory and copied out with bulk copies like the final rows, instead of fp32 from registers:
         half the partial bytes written and read back by the combine.  Needs the leader-follower
