@@ -16,23 +16,25 @@ def check_bool(name: str, value) -> None:
         raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
-def check_split_policy(schedule) -> None:
-    """``split_fixed_cost``, ``unsplit_slack``, ``even_split_slack`` and ``num_sm_parts``: the planner's cost
-    per request piece, its slacks for whole requests and even pieces, and the part count."""
-    for name in ("split_fixed_cost", "unsplit_slack", "even_split_slack"):
+def check_counts(schedule, *names: str) -> None:
+    """Each of the fields ``names`` is an int >= 0 (a bool is not)."""
+    for name in names:
         value = getattr(schedule, name)
         if type(value) is not int or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def check_split_policy(schedule) -> None:
+    """``split_fixed_cost``, ``unsplit_slack``, ``even_split_slack`` and ``num_sm_parts``: the planner's cost
+    per request piece, its slacks for whole requests and even pieces, and the part count."""
+    check_counts(schedule, "split_fixed_cost", "unsplit_slack", "even_split_slack")
     parts = schedule.num_sm_parts
     if parts is not None and (type(parts) is not int or parts < 1):
         raise ValueError(f"num_sm_parts must be None or an int >= 1, got {parts!r}")
 
 
 def check_combine(schedule) -> None:
-    for name in ("combine_chunked_batch", "combine_spread_partials"):
-        value = getattr(schedule, name)
-        if type(value) is not int or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    check_counts(schedule, "combine_chunked_batch", "combine_spread_partials")
 
 
 def check_smem(schedule) -> None:

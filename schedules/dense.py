@@ -122,7 +122,6 @@ class DenseDecodeSchedule:
         """``load_warpgroup`` resolved (None: on with the seesaw kernel)."""
         return self.seesaw if self.load_warpgroup is None else self.load_warpgroup
 
-
     def cross_term_first_for(self, m_tiles: int, multicast: bool) -> bool:
         """``cross_term_first`` for a kernel with ``m_tiles`` 64-row M tiles a KV head, with tile multicast
         (``tile_multicast_for``) or without."""

@@ -78,7 +78,6 @@ class SparseDecodeSchedule:
         return (self.kv_stages, self.crossover, self.peer_bulk_copy, self.leader_follower, self.combine_chunked_batch,
                 self.combine_spread_partials, self.partials_16bit)
 
-
     def smem_bytes(self) -> int:
         """The kernel's shared storage: mbarriers, row max/sum, bias, then the 1 KiB-aligned tiles."""
         small = 8 * (2 + 2 * self.kv_stages) + 2 * 2 * 64 * 4 + self.kv_stages * 64 * 4

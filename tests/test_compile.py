@@ -136,14 +136,16 @@ def test_dense_tile_multicast_refuses_m_tiles_it_cannot_pair(s_q, h_q, causal):
 def test_16bit_partials_leave_through_bulk_copies_without_spills(kind, capfd):
     """With ``partials_16bit`` a split's rows are staged like the final rows: a second set of bulk copies
     from shared memory to global memory (one per row), the combine loads 16-bit vectors, no spills."""
+    import dataclasses
+
     from mla_cute.kernels.build import compile_dense_decode, compile_sparse_decode
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DEFAULT_SPARSE_SCHEDULE
 
     if kind == "dense":
-        sched = _with_16bit_partials(DEFAULT_DENSE_SCHEDULE)
+        sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, partials_16bit=True)
         fn = compile_dense_decode(torch.bfloat16, 1, 128, 1, False, 64, sched, options=OPTIONS, with_combine=True)
     else:
-        sched = _with_16bit_partials(DEFAULT_SPARSE_SCHEDULE)
+        sched = dataclasses.replace(DEFAULT_SPARSE_SCHEDULE, partials_16bit=True)
         fn = compile_sparse_decode(2, 128, False, sched, options=OPTIONS, with_combine=True)
     ptx = fn.__ptx__
     assert ptx.count("cp.async.bulk.global.shared") == 2, "final rows and partials, each a bulk copy per row"
@@ -151,12 +153,6 @@ def test_16bit_partials_leave_through_bulk_copies_without_spills(kind, capfd):
     assert "ld.local" not in ptx and "st.local" not in ptx
     spills, _ = _ptxas_report(capfd.readouterr().err)
     assert spills and all(sp == (0, 0, 0) for sp in spills), spills
-
-
-def _with_16bit_partials(schedule):
-    import dataclasses
-
-    return dataclasses.replace(schedule, partials_16bit=True)
 
 
 def test_combine_and_scheduler_compile_without_spills(capfd):

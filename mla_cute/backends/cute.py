@@ -85,6 +85,11 @@ def _split_workspace(meta, lengths, parts: int, policy: tuple, b: int, h_kv: int
     return o_accum, lse_accum
 
 
+def _partial_dtype(schedule, out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of split partials' O: the output's 16-bit dtype with ``partials_16bit``, else fp32 (FlashMLA's)."""
+    return out_dtype if schedule.partials_16bit else torch.float32
+
+
 def _reused_plan(meta, kind: str, first: bool, schedule):
     """The plan a metadata object already holds for ``kind``, or None when one must be built."""
     plan = meta._state.get(kind)
@@ -139,8 +144,7 @@ class DensePlan:
                 self.kernel_schedule = chosen
                 self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, chosen, with_combine=split)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, cache_seqlens, parts, policy, b, h_kv, rows, q.device,
-            q.dtype if schedule.partials_16bit else torch.float32,
+            meta, cache_seqlens, parts, policy, b, h_kv, rows, q.device, _partial_dtype(schedule, q.dtype)
         )
 
 
@@ -246,8 +250,7 @@ class SparsePlan:
             self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False, has_topk_length=False)
         lengths = (topk_length if given else torch.full((b,), topk, dtype=torch.int32, device=q.device)).clamp(1, topk)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, lengths, parts, policy, b, 1, s_q * h_q, q.device,
-            torch.bfloat16 if schedule.partials_16bit else torch.float32,
+            meta, lengths, parts, policy, b, 1, s_q * h_q, q.device, _partial_dtype(schedule, q.dtype)
         )
 
 
