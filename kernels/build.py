@@ -87,7 +87,8 @@ def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: boo
             from .dense_step import DenseDecodeStep
 
             combine = CombineKernel(dtype, group, s_q, chunked_batch=schedule.combine_chunked_batch,
-                                    spread_partials=schedule.combine_spread_partials)
+                                    spread_partials=schedule.combine_spread_partials,
+                                    pdl=schedule.combine_pdl)
             kernel = DenseDecodeStep(kernel, combine)
         partial = dtype if schedule.partials_16bit else cutlass.Float32
         args = dense_decode_signature(dtype, s_q, h_q, h_kv, page, partial)
@@ -99,20 +100,23 @@ def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: boo
 
 
 def compile_combine(torch_dtype, s_q: int, h_q: int, h_kv: int, options: str = "", chunked_batch: int = 4,
-                    spread_partials: int = 48):
-    """The combine kernel alone (the runtime calls it inside the dense decode step)."""
+                    spread_partials: int = 48, pdl: bool = False):
+    """The combine kernel alone (the runtime calls it inside the decode steps, there with the schedule's
+    ``combine_pdl``)."""
     from .combine import CombineKernel
 
-    key = ("combine", str(torch_dtype), s_q, h_q, h_kv, options, chunked_batch, spread_partials)
+    key = ("combine", str(torch_dtype), s_q, h_q, h_kv, options, chunked_batch, spread_partials, pdl)
 
     def build():
         dtype = cutlass_dtype(torch_dtype)
         _, num_splits, out, lse, o_acc, lse_acc = _split_io(dtype, _sym(), s_q, h_q, h_kv)
         args = (num_splits, o_acc, lse_acc, out, lse, None, make_fake_stream(use_tvm_ffi_env_stream=True))
-        kernel = CombineKernel(dtype, h_q // h_kv, s_q, chunked_batch=chunked_batch, spread_partials=spread_partials)
+        kernel = CombineKernel(dtype, h_q // h_kv, s_q, chunked_batch=chunked_batch, spread_partials=spread_partials,
+                               pdl=pdl)
         return cute.compile(kernel, *args, options=compile_options(options))
 
-    what = f"combine s_q={s_q} h_q={h_q} h_kv={h_kv} chunked_batch={chunked_batch} spread_partials={spread_partials}"
+    what = (f"combine s_q={s_q} h_q={h_q} h_kv={h_kv} chunked_batch={chunked_batch} spread_partials={spread_partials} "
+            f"pdl={pdl}")
     return cached_compile(key, build, describe=what, persistent=not options)
 
 
@@ -171,7 +175,7 @@ def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options:
 
             kernel = SparseDecodeStep(
                 kernel, CombineKernel(cutlass.BFloat16, h_q, s_q, has_sink, schedule.combine_chunked_batch,
-                                     schedule.combine_spread_partials))
+                                     schedule.combine_spread_partials, schedule.combine_pdl))
         args = sparse_decode_signature(s_q, h_q, has_sink, has_topk_length, schedule.partials_16bit)
         return cute.compile(kernel, *args,
                             options=compile_options(options))

@@ -11,6 +11,10 @@ Three launches, picked at run time from the batch size b and the parts the works
   CTA of 8 warps a row chunk.  Warp w merges partials w, w + 8, ... into a running (max, sum, O)
   of its own, 8 loads in flight; the warps meet in shared memory, where warp 0 merges their results
   and writes the chunk.  A row of up to 64 partials waits for one group of loads instead of eight.
+With the schedule's ``combine_pdl`` each launch is a programmatic dependent launch: a CTA reads the split
+counts (the scheduler wrote them before the split kernel ran) and the sink, then waits for the split grid
+(``griddepcontrol.wait``) before it reads a partial.  Every thread waits, split request or not, so the
+combine's completion still implies the split kernel's for the work behind it in the stream.
 Lane l owns the columns 4l + 128k of its chunk or row, read as vectors of 4 (16 bytes of fp32 partials,
 8 of 16-bit ones) and summed in fp32.  Requests that were not split were written by the split kernel
 directly and are skipped here.
@@ -56,8 +60,9 @@ class CombineKernel:
     num_threads = 32 * ROWS_PER_CTA
 
     def __init__(self, dtype, group: int, s_q: int, has_sink: bool = False, chunked_batch: int = 4,
-                 spread_partials: int = 48):
+                 spread_partials: int = 48, pdl: bool = False):
         self.dtype = dtype
+        self.pdl = pdl
         self.spread_partials = spread_partials
         self.has_sink = has_sink
         self.group = group
@@ -103,6 +108,7 @@ class CombineKernel:
                 block=[32 * SPREAD_WARPS, 1, 1],
                 smem=SpreadRow.size_in_bytes(),
                 stream=stream,
+                use_pdl=self.pdl,
             )
         else:
             chunks = cutlass.Int32(cutlass.select_(small, CHUNKS, 1))
@@ -110,6 +116,7 @@ class CombineKernel:
                 grid=[batch, h_kv, self.row_blocks * chunks],
                 block=[self.num_threads, 1, 1],
                 stream=stream,
+                use_pdl=self.pdl,
             )
 
     @cute.kernel
@@ -123,6 +130,8 @@ class CombineKernel:
         row = (block // chunks) * ROWS_PER_CTA + tidx // 32
         start = mNumSplits[req]
         n = mNumSplits[req + 1] - start
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
         if n > 1 and row < self.rows:
             if chunks == 1:
                 self.merge_row(mOAccum, mLseAccum, mOut, mLse, mSink, req, kv_head, row, start, n, 0, lane,
@@ -143,10 +152,12 @@ class CombineKernel:
         vec = chunk * (CHUNK_COLS // VEC) + lane
         start = mNumSplits[req]
         n = mNumSplits[req + 1] - start
+        sink2 = cutlass.Float32(0.0)
+        if cutlass.const_expr(self.has_sink):
+            sink2 = mSink[row % self.group] * LOG2_E  # loaded with the partials, not after them
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
         if n > 1:  # the same for the whole CTA: its barrier below is reached by every thread or none
-            sink2 = cutlass.Float32(0.0)
-            if cutlass.const_expr(self.has_sink):
-                sink2 = mSink[row % self.group] * LOG2_E  # loaded with the partials, not after them
             storage = SmemAllocator().allocate(self.spread_row)
             sTop = storage.top.get_tensor(cute.make_layout(SPREAD_WARPS))
             sTotal = storage.total.get_tensor(cute.make_layout(SPREAD_WARPS))

@@ -35,6 +35,7 @@ def check_split_policy(schedule) -> None:
 
 def check_combine(schedule) -> None:
     check_counts(schedule, "combine_chunked_batch", "combine_spread_partials")
+    check_bool("combine_pdl", schedule.combine_pdl)
 
 
 def check_smem(schedule) -> None:

@@ -94,6 +94,12 @@ class DenseDecodeSchedule:
         against 70.8-71.1; h_q = 64, 64K: 37.3-37.5 against 39.4-39.7), 64 x 16K within 0.2%; the relative
         error of split rows 1.3-1.9x higher (b = 1, 128K: 1.2e-3 against 8.1e-4), within FlashMLA's test
         tolerances.  Off: FlashMLA's fp32 partials.
+    combine_pdl: launch the combine kernel with Programmatic Dependent Launch: its CTAs start as the split
+        kernel's last CTAs exit (instead of after the split grid's completion and a new launch), read the split
+        counts, and wait (``griddepcontrol.wait``) before the partials.  The split kernel does not trigger early
+        (its CTAs hold whole SMs; entry 4's trigger at its start measured slower).  Measured on the H200
+        (docs/performance.md, entry 33): 1-1.5 us off every call that runs the combine at b <= 2 (b = 1, 128K:
+        69.3-69.9 us against 70.6-71.3), the b = 128 rows within noise.  False: a plain launch.
     """
 
     kv_stages: int = 2
@@ -111,12 +117,13 @@ class DenseDecodeSchedule:
     tile_multicast: Optional[bool] = None
     load_warpgroup: Optional[bool] = None
     partials_16bit: bool = False
+    combine_pdl: bool = True
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
         return (self.kv_stages, self.qk_prefetch, self.kv_evict_first, self.seesaw, self.combine_chunked_batch,
                 self.combine_spread_partials, self.cross_term_first, self.tile_multicast, self.load_warpgroup_on(),
-                self.partials_16bit)
+                self.partials_16bit, self.combine_pdl)
 
     def load_warpgroup_on(self) -> bool:
         """``load_warpgroup`` resolved (None: on with the seesaw kernel)."""

@@ -59,6 +59,9 @@ class SparseDecodeSchedule:
         consumers.  Measured on the H200 (docs/performance.md, entry 32, sparse S37): the b = 2 and b = 74
         rows within 1% (b = 2: 24.9-25.0 us against 24.9-25.2), the relative error at b = 2 3.0e-3 against
         2.2e-3; dense b = 1 calls were 4-6% faster.  Off: FlashMLA's fp32 partials.
+    combine_pdl: as for dense decode, the combine launched with Programmatic Dependent Launch.  Measured on
+        the H200 (docs/performance.md, entry 33, sparse S38): the b = 2 row 23.7-24.0 us against 25.0-25.3, b = 1,
+        h_q = 64, topk 8192 about 1 us faster, b = 74 and 128 within noise.  False: a plain launch.
     """
 
     kv_stages: int = 2
@@ -72,11 +75,12 @@ class SparseDecodeSchedule:
     combine_chunked_batch: int = 4
     combine_spread_partials: int = 48
     partials_16bit: bool = False
+    combine_pdl: bool = True
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
         return (self.kv_stages, self.crossover, self.peer_bulk_copy, self.leader_follower, self.combine_chunked_batch,
-                self.combine_spread_partials, self.partials_16bit)
+                self.combine_spread_partials, self.partials_16bit, self.combine_pdl)
 
     def smem_bytes(self) -> int:
         """The kernel's shared storage: mbarriers, row max/sum, bias, then the 1 KiB-aligned tiles."""

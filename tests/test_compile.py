@@ -169,6 +169,24 @@ def test_combine_and_scheduler_compile_without_spills(capfd):
     assert len(spills) == 6 and all(s == (0, 0, 0) for s in spills), spills
 
 
+def test_combine_with_pdl_waits_for_the_split_kernel_before_the_partials(capfd):
+    """With ``combine_pdl`` each combine kernel reads the split counts, then waits for the split grid
+    (every thread, split request or not) before its first load of a partial."""
+    from mla_cute.kernels.build import compile_combine
+
+    ptx = compile_combine(torch.bfloat16, 2, 64, 1, options=OPTIONS, pdl=True).__ptx__
+    kernels = ptx.split(".entry")[1:]
+    assert len(kernels) == 2
+    for body in kernels:
+        assert body.count("griddepcontrol.wait") == 1
+        assert body.index("griddepcontrol.wait") < body.index("ld.global.v4"), "partials read before the wait"
+        assert re.search(r"ld\.global[^\n]*\n(.|\n)*griddepcontrol\.wait", body), "split counts not read first"
+    assert "griddepcontrol.launch_dependents" not in ptx
+    spills, _ = _ptxas_report(capfd.readouterr().err)
+    assert len(spills) == 2 and all(sp == (0, 0, 0) for sp in spills), spills
+    assert "griddepcontrol" not in compile_combine(torch.bfloat16, 2, 64, 1, options=OPTIONS).__ptx__
+
+
 def _check_register_split(ptx: str, regs: list, inc_warpgroups: int = 1) -> None:
     """setmaxnreg moves registers inside the CTA's launch allocation (3 warpgroups): the budgets must fit
     in regs x 384, or an increase never returns (a hang, not an error).  The sparse kernel has one

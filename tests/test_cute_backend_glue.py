@@ -363,6 +363,20 @@ def test_combine_field_rules(kind, field):
 
 
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_combine_pdl_rule(kind):
+    """The combine's programmatic dependent launch: a bool, on by default, part of the kernel key."""
+    from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
+
+    cls = DenseDecodeSchedule if kind == "dense" else SparseDecodeSchedule
+    assert cls().combine_pdl is True
+    cls(combine_pdl=False).validate()
+    for bad in (None, 1, "yes"):
+        with pytest.raises(ValueError, match="combine_pdl must be a bool"):
+            cls(combine_pdl=bad).validate()
+    assert cls().kernel_key() != cls(combine_pdl=False).kernel_key()
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
 def test_split_policy_rules(kind):
     """The planner's fields: ints >= 0 (``num_sm_parts`` >= 1 or None); the slack for whole requests grows
     with the query rows (one unit per 64) and acts on the host plan only, not on the kernel."""

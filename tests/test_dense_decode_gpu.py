@@ -243,13 +243,14 @@ def test_single_long_request_normal_loads():
     assert meta._state["dense"].kernel_schedule.kv_evict_first is False
 
 
-@pytest.mark.parametrize("partials_16bit", [False, True])
+@pytest.mark.parametrize("partials_16bit,pdl", [(False, True), (True, True), (False, False)])
 @pytest.mark.parametrize("mode", ["whole", "chunks", "spread"])
 @pytest.mark.parametrize("s_q,h_q", [(3, 5), (1, 128)])
-def test_combine_paths(mode, s_q, h_q, partials_16bit):
+def test_combine_paths(mode, s_q, h_q, partials_16bit, pdl):
     """The combine's three launches (whole rows, column chunks, spread chunks), with 1 to ~30 splits a
     request (below, at and past a warp's load group of partials) and (h_q = 5, s_q = 3) rows not a
-    multiple of 4; fp32 partials from registers, or 16-bit ones staged like the final rows."""
+    multiple of 4; fp32 partials from registers, or 16-bit ones staged like the final rows; launched with
+    PDL (the default) or plainly."""
     import mla_cute
     from mla_cute.schedules import DenseDecodeSchedule
 
@@ -257,7 +258,8 @@ def test_combine_paths(mode, s_q, h_q, partials_16bit):
     lens = [20000] + [rng.choice([1, 64, rng.randint(1, 3000), rng.randint(3000, 9000)]) for _ in range(36)]
     case = make_dense_case(37, s_q, 0, h_q, 1, lengths=lens, gen=torch.Generator().manual_seed(h_q))
     sched = DenseDecodeSchedule(num_sm_parts=132, combine_chunked_batch=0 if mode == "whole" else 64,
-                                combine_spread_partials=1 if mode == "spread" else 0, partials_16bit=partials_16bit)
+                                combine_spread_partials=1 if mode == "spread" else 0, partials_16bit=partials_16bit,
+                                combine_pdl=pdl)
     with mla_cute.use_schedule(sched):
         meta = run_and_check(case, s_q, s_q > 1)
     splits = (meta.num_splits[1:] - meta.num_splits[:-1]).cpu()
