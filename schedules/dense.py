@@ -98,7 +98,7 @@ class DenseDecodeSchedule:
         kernel's last CTAs exit (instead of after the split grid's completion and a new launch), read the split
         counts, and wait (``griddepcontrol.wait``) before the partials.  The split kernel does not trigger early
         (its CTAs hold whole SMs; entry 4's trigger at its start measured slower).  Measured on the H200
-        (docs/performance.md, entry 33): 1-1.5 us off every call that runs the combine at b <= 2 (b = 1, 128K:
+        (docs/performance.md, entry 33): 0.7-1.6 us off every call that runs the combine at b <= 2 (b = 1, 128K:
         69.3-69.9 us against 70.6-71.3), the b = 128 rows within noise.  False: a plain launch.
     """
 
