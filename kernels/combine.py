@@ -12,9 +12,9 @@ Three launches, picked at run time from the batch size b and the parts the works
   of its own, 8 loads in flight; the warps meet in shared memory, where warp 0 merges their results
   and writes the chunk.  A row of up to 64 partials waits for one group of loads instead of eight.
 With the schedule's ``combine_pdl`` each launch is a programmatic dependent launch: a CTA reads the split
-counts (the scheduler wrote them before the split kernel ran) and the sink, then waits for the split grid
-(``griddepcontrol.wait``) before it reads a partial.  Every thread waits, split request or not, so the
-combine's completion still implies the split kernel's for the work behind it in the stream.
+counts (the scheduler wrote them before the split kernel ran; the spread launch its sink too), then waits
+for the split grid (``griddepcontrol.wait``) before it reads a partial.  Every thread waits, split request
+or not, so the combine's completion still implies the split kernel's for the work behind it in the stream.
 Lane l owns the columns 4l + 128k of its chunk or row, read as vectors of 4 (16 bytes of fp32 partials,
 8 of 16-bit ones) and summed in fp32.  Requests that were not split were written by the split kernel
 directly and are skipped here.
