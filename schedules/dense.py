@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .checks import check_bool, check_combine, check_kv_stages, check_smem, check_split_policy
+from .checks import check_bool, check_combine, check_counts, check_kv_stages, check_smem, check_split_policy
 from .planner import split_policy
 
 
@@ -89,11 +89,17 @@ class DenseDecodeSchedule:
         alone at b = 4 with 33 partials a row (partials in L2) 9.3 us against 7.9 one warp a chunk.
     partials_16bit: a split's partial O in the output's 16-bit dtype (lse stays fp32), staged in shared
         memory and copied out with bulk copies like the final rows, instead of fp32 from registers:
-        half the partial bytes written and read back by the combine.  Needs the seesaw kernel.  Measured
-        on the H200 (docs/performance.md, entry 32): b = 1 calls 4-6% faster (h_q = 128, 128K: 68.1-68.4 us
-        against 70.8-71.1; h_q = 64, 64K: 37.3-37.5 against 39.4-39.7), 64 x 16K within 0.2%; the relative
-        error of split rows 1.3-1.9x higher (b = 1, 128K: 1.2e-3 against 8.1e-4), within FlashMLA's test
-        tolerances.  Off: FlashMLA's fp32 partials.
+        half the partial bytes written and read back by the combine.  Needs the seesaw kernel.  None (the
+        default): chosen per plan, on when the host knows the plan and its busiest part reads at most
+        ``partials_16bit_tiles`` KV tiles (a short plan's partials are a large share of its time), else off.
+        Measured on the H200 (docs/performance.md, entries 32 and 35): calls of one to four requests 1-11% faster
+        (h_q = 128, 128K: 67.7-68.2 us against 69.2-69.4; 16K: 24.2-24.5 against 26.6-26.8; b = 4, 16K: 43.5-43.6
+        against 46.3-46.5; h_q = 64, 64K: 36.4-36.8 against 37.8-38.7; even at one tile a part, b = 1, 4K: 18.0
+        against 18.7-19.0), b = 2, h_q = 32, 64K and 64 x 16K within 0.2% (forced on); the relative error of split
+        rows 1.2-1.5x higher (b = 1, 128K: 1.1e-3 against 7.6e-4), within FlashMLA's test tolerances.  False:
+        FlashMLA's fp32 partials on every plan.
+    partials_16bit_tiles: with ``partials_16bit=None``, the most tiles the busiest part of a plan may read for
+        its partials to be 16-bit.
     combine_pdl: launch the combine kernel with Programmatic Dependent Launch: its CTAs start as the split
         kernel's last CTAs exit (instead of after the split grid's completion and a new launch), read the split
         counts, and wait (``griddepcontrol.wait``) before the partials.  The split kernel does not trigger early
@@ -116,7 +122,8 @@ class DenseDecodeSchedule:
     cross_term_first: Optional[bool] = None
     tile_multicast: Optional[bool] = None
     load_warpgroup: Optional[bool] = None
-    partials_16bit: bool = False
+    partials_16bit: Optional[bool] = None
+    partials_16bit_tiles: int = 32
     combine_pdl: bool = True
 
     def kernel_key(self) -> tuple:
@@ -161,12 +168,15 @@ class DenseDecodeSchedule:
         return q + kv + p + small
 
     def for_plan(self, busiest_tiles: Optional[int]) -> "DenseDecodeSchedule":
-        """This schedule with ``kv_evict_first`` decided for a plan whose busiest part reads ``busiest_tiles``
-        KV tiles (None: a plan the host does not know), so a kernel can be built from it."""
-        if self.kv_evict_first is not None:
-            return self
-        evict = busiest_tiles is not None and busiest_tiles <= self.evict_first_tiles
-        return dataclasses.replace(self, kv_evict_first=evict)
+        """This schedule with ``kv_evict_first`` and ``partials_16bit`` decided for a plan whose busiest part
+        reads ``busiest_tiles`` KV tiles (None: a plan the host does not know), so a kernel can be built from it."""
+        known = busiest_tiles is not None
+        evict, partials = self.kv_evict_first, self.partials_16bit
+        if evict is None:
+            evict = known and busiest_tiles <= self.evict_first_tiles
+        if partials is None:
+            partials = known and self.seesaw and busiest_tiles <= self.partials_16bit_tiles
+        return dataclasses.replace(self, kv_evict_first=evict, partials_16bit=partials)
 
     def plan_policy(self, rows_per_kv_head: int) -> tuple[int, int, int]:
         """The planner's (``fixed_cost``, ``unsplit_slack``, ``even_split_slack``) in blocks for a KV head with
@@ -203,7 +213,9 @@ class DenseDecodeSchedule:
             if self.load_warpgroup and not self.seesaw:
                 raise ValueError("load_warpgroup is a seesaw-kernel option (the serial kernel always has its TMA "
                                  "producer warpgroup); set seesaw=True or leave it None")
-        check_bool("partials_16bit", self.partials_16bit)
+        if self.partials_16bit is not None:
+            check_bool("partials_16bit", self.partials_16bit)
+        check_counts(self, "partials_16bit_tiles")
         if self.partials_16bit and not self.seesaw:
             raise ValueError("partials_16bit needs the seesaw kernel (its epilogue stages rows in shared memory "
                              "for bulk copies); set seesaw=True")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .checks import check_bool, check_combine, check_kv_stages, check_smem, check_split_policy
+from .checks import check_bool, check_combine, check_counts, check_kv_stages, check_smem, check_split_policy
 from .planner import split_policy
 
 
@@ -56,9 +56,20 @@ class SparseDecodeSchedule:
     partials_16bit: a split's partial O in the output's 16-bit dtype (lse stays fp32), staged in shared
         memory and copied out with bulk copies like the final rows, instead of fp32 from registers:
         half the partial bytes written and read back by the combine.  Needs the leader-follower
-        consumers.  Measured on the H200 (docs/performance.md, entry 32, sparse S37): the b = 2 and b = 74
-        rows within 1% (b = 2: 24.9-25.0 us against 24.9-25.2), the relative error at b = 2 3.0e-3 against
-        2.2e-3; dense b = 1 calls were 4-6% faster.  Off: FlashMLA's fp32 partials.
+        consumers.  None (the default): on for small plans only (``small_plan_tiles``).  Measured on the
+        H200 (docs/performance.md, entry 32, sparse S37, S39): with FlashMLA's fixed cost the b = 2 and b = 74
+        rows within 1% (b = 2: 24.9-25.0 us against 24.9-25.2); with the small plans' fixed cost b = 2 6-9% faster;
+        the relative error of the small plans 2.9-3.0e-3 against 2.2e-3 (within FlashMLA's test tolerances).  False:
+        FlashMLA's fp32 partials on every plan.
+    small_plan_tiles: a call whose requests, planned with ``split_fixed_cost``, give a part at least 2 and at most
+        this many 64-token tiles (``ceil(b * (topk tiles + split_fixed_cost) / parts)``, from the shapes alone) is planned
+        with ``small_plan_fixed_cost`` instead, and with ``partials_16bit=None`` writes 16-bit partials: its
+        time goes to each part's start and end and to the combine, not to the tiles.  Measured on the H200
+        (docs/performance.md, S39), against FlashMLA's fixed cost and fp32 partials: b = 2, s_q = 2, h_q = 128, topk
+        2048 (3 tiles a part; then 2 over 32 parts) 20.9-22.3 us against 23.5-23.8, where either change alone gained
+        at most 0.7 us; b = 4, s_q = 1 22.3-22.4 against 23.6-23.9; b = 1, h_q = 64, topk 8192 19.8-20.3 against
+        20.6-20.8; b = 1, s_q = 2 (2 tiles a part; then 1) 20.0 against 19.8.  0: never.
+    small_plan_fixed_cost: the planner's fixed cost per request piece for small plans (``small_plan_tiles``).
     combine_pdl: as for dense decode, the combine launched with Programmatic Dependent Launch.  Measured on
         the H200 (docs/performance.md, entry 33, sparse S38): the b = 2 row 23.7-24.0 us against 25.0-25.3, b = 1,
         h_q = 64, topk 8192 about 1 us faster, b = 74 and 128 within noise.  False: a plain launch.
@@ -74,8 +85,10 @@ class SparseDecodeSchedule:
     num_sm_parts: Optional[int] = None
     combine_chunked_batch: int = 4
     combine_spread_partials: int = 48
-    partials_16bit: bool = False
+    partials_16bit: Optional[bool] = None
     combine_pdl: bool = True
+    small_plan_tiles: int = 4
+    small_plan_fixed_cost: int = 1
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
@@ -91,6 +104,23 @@ class SparseDecodeSchedule:
         p = 64 * 64 * 2
         return small + q + kv + p
 
+    def small_plan(self, b: int, topk: int, parts: int) -> bool:
+        """Whether ``b`` requests of ``topk`` tokens over ``parts`` parts make a small plan (``small_plan_tiles``):
+        a shape fact, so every call with the same shapes takes the same kernel and plan policy."""
+        tiles = -(-(b * (-(-topk // 64) + self.split_fixed_cost)) // parts)
+        # Parts of one tile gain nothing: the smaller fixed cost leaves the plan as it is, and the staged
+        # 16-bit partial then only adds its copies' latency (S39: b = 2, s_q = 1, h_q = 64, topk 2048 1 us slower).
+        return 2 <= tiles <= self.small_plan_tiles
+
+    def for_plan(self, small: bool) -> "SparseDecodeSchedule":
+        """This schedule resolved for a plan that is small (``small_plan``) or not: the fixed cost the planner
+        uses and ``partials_16bit`` as a bool, so a kernel can be built from it."""
+        fixed_cost = self.small_plan_fixed_cost if small else self.split_fixed_cost
+        partials = self.partials_16bit
+        if partials is None:
+            partials = small and self.leader_follower
+        return dataclasses.replace(self, split_fixed_cost=fixed_cost, partials_16bit=partials)
+
     def plan_policy(self, rows: int) -> tuple[int, int, int]:
         """The planner's (``fixed_cost``, ``unsplit_slack``, ``even_split_slack``) in blocks for requests of
         ``rows`` query rows, s_q x h_q (``planner.split_policy``)."""
@@ -102,11 +132,13 @@ class SparseDecodeSchedule:
         check_bool("crossover", self.crossover)
         check_bool("peer_bulk_copy", self.peer_bulk_copy)
         check_bool("leader_follower", self.leader_follower)
-        check_bool("partials_16bit", self.partials_16bit)
+        if self.partials_16bit is not None:
+            check_bool("partials_16bit", self.partials_16bit)
         if self.partials_16bit and not self.leader_follower:
             raise ValueError("partials_16bit needs the leader-follower consumers (their epilogue stages rows in "
                              "shared memory for bulk copies); set leader_follower=True")
         check_split_policy(self)
+        check_counts(self, "small_plan_tiles", "small_plan_fixed_cost")
         check_combine(self)
         check_smem(self)
 

@@ -26,6 +26,7 @@ def recorder(monkeypatch):
         calls["compile"] += 1
         calls["static"] = (dtype, s_q, h_q, h_kv, causal, page, schedule)
         calls.setdefault("built", []).append((schedule.kv_evict_first, with_combine))
+        calls.setdefault("partials", []).append(schedule.partials_16bit)
 
         def step(*args):
             calls["steps"].append(args)
@@ -155,7 +156,7 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     from mla_cute.backends import cute
     from mla_cute.schedules import SparseDecodeSchedule
 
-    sched = SparseDecodeSchedule(num_sm_parts=7, split_fixed_cost=2)
+    sched = SparseDecodeSchedule(num_sm_parts=7, split_fixed_cost=2, small_plan_tiles=0, partials_16bit=False)
     q, k_cache, indices = _sparse_inputs()
     topk_length = torch.tensor([0, 70, 500], dtype=torch.int32)
     sink = torch.zeros(128)
@@ -163,7 +164,7 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     out, lse = cute.sparse_decode(q, k_cache, indices, topk_length, sink, 0.25, meta, True, sched)
     assert out.shape == (3, 2, 128, 512) and out.dtype == torch.bfloat16
     assert lse.shape == (3, 128, 2) and lse.dtype == torch.float32
-    assert sparse_recorder["compile"] == [(2, 128, True, sched)]
+    assert sparse_recorder["compile"] == [(2, 128, True, sched.for_plan(False))]
     assert sparse_recorder["topk_length"] == [True]  # the kernel that reads the lengths
     policy, lengths, sched_shape, splits_shape = sparse_recorder["scheduler"][0]
     assert policy == sched.plan_policy(2 * 128) == (2, 0, 0) and sched_shape == (7, 8) and splits_shape == (4,)
@@ -259,7 +260,8 @@ def test_evict_first_chosen_per_plan(recorder, lengths, parts, evict, combine):
     from mla_cute.backends import cute
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, plan_facts
 
-    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts, kv_evict_first=None, evict_first_tiles=48)
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts, kv_evict_first=None, evict_first_tiles=48,
+                                partials_16bit=False)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
     split, busiest = plan_facts(seqlens, parts, 64, *sched.plan_policy(2 * 12))
     assert (split, busiest <= 48) == (combine, evict)
@@ -285,16 +287,23 @@ def test_precompile_loads_both_entries(recorder, sparse_recorder):
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SparseDecodeSchedule
 
     cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64, dataclasses.replace(DEFAULT_DENSE_SCHEDULE,
-                                                                                    kv_evict_first=False))
+                                                                                    kv_evict_first=False,
+                                                                                    partials_16bit=False))
     assert recorder["built"] == [(False, True), (False, False)]
-    # Evict-first loads chosen per plan (the default): the kernels with them too.
+    # Evict-first loads and 16-bit partials chosen per plan (the default): the kernels a plan can choose, each
+    # with and without the combine (16-bit partials only on plans short enough for evict-first loads).
     cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64, DEFAULT_DENSE_SCHEDULE)
-    assert recorder["built"][2:] == [(False, True), (False, False), (True, True), (True, False)]
+    kinds = list(zip(recorder["built"][2:], recorder["partials"][2:]))
+    assert kinds == [((False, True), False), ((False, False), False), ((True, True), False), ((True, False), False),
+                     ((True, True), True), ((True, False), True)]
+    cute.precompile_sparse(2, 128, False, SparseDecodeSchedule(small_plan_tiles=0))
+    assert [x[3].partials_16bit for x in sparse_recorder["compile"]] == [False, False]
+    # The small plans' kernels (16-bit partials) too.
     cute.precompile_sparse(2, 128, False, SparseDecodeSchedule())
-    assert len(sparse_recorder["compile"]) == 2
-    # With topk_length the lengths live on the device, so every plan keeps the combine: one entry.
+    assert [x[3].partials_16bit for x in sparse_recorder["compile"][2:]] == [False, False, True, True]
+    # With topk_length the lengths live on the device, so every plan keeps the combine: one entry a plan kind.
     cute.precompile_sparse(2, 128, False, SparseDecodeSchedule(), True)
-    assert len(sparse_recorder["compile"]) == 3 and sparse_recorder["topk_length"] == [False, False, True]
+    assert len(sparse_recorder["compile"]) == 8 and sparse_recorder["topk_length"] == [False] * 6 + [True, True]
 
 
 def test_sparse_cache_layout_the_kernel_cannot_read():
@@ -332,20 +341,96 @@ def test_sparse_schedule_rules():
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
 def test_partials_16bit_rule(kind):
     """16-bit partials leave through the staged epilogue, which only the seesaw (dense) and the
-    leader-follower consumers (sparse) have; off by default (FlashMLA's fp32 partials)."""
+    leader-follower consumers (sparse) have; by default chosen per plan, resolved to a bool before a build."""
     from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
 
     cls, other = ((DenseDecodeSchedule, {"seesaw": False}) if kind == "dense"
                   else (SparseDecodeSchedule, {"leader_follower": False}))
-    assert cls().partials_16bit is False
+    assert cls().partials_16bit is None
     cls(partials_16bit=True).validate()
     cls(partials_16bit=False, **other).validate()
+    cls(**other).validate()  # None: never chosen without the staged epilogue
     with pytest.raises(ValueError, match="partials_16bit needs"):
         cls(partials_16bit=True, **other).validate()
-    for bad in (None, 1, "yes"):
+    for bad in (0, 1, "yes"):
         with pytest.raises(ValueError, match="partials_16bit must be a bool"):
             cls(partials_16bit=bad).validate()
-    assert cls().kernel_key() != cls(partials_16bit=True).kernel_key()
+    assert cls(partials_16bit=False).kernel_key() != cls(partials_16bit=True).kernel_key()
+    for arg in ((8, None) if kind == "dense" else (True, False)):
+        assert cls(**other).for_plan(arg).partials_16bit is False
+    counts = "partials_16bit_tiles" if kind == "dense" else "small_plan_tiles"
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match=f"{counts} must be an int >= 0"):
+            cls(**{counts: bad}).validate()
+
+
+@pytest.mark.parametrize("busiest,partials", [(None, False), (1, True), (32, True), (33, False), (200, False)])
+def test_dense_partials_chosen_per_plan(busiest, partials):
+    """``partials_16bit=None``: 16-bit where the host knows the plan and its busiest part reads at most
+    ``partials_16bit_tiles`` tiles; an explicit value holds for every plan."""
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
+
+    assert DEFAULT_DENSE_SCHEDULE.for_plan(busiest).partials_16bit is partials
+    for fixed in (False, True):
+        sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, partials_16bit=fixed)
+        assert sched.for_plan(busiest).partials_16bit is fixed
+
+
+def test_dense_plan_takes_the_partials_of_its_kernel(recorder):
+    """The workspace holds the dtype of the kernel the plan chose: 16-bit at b = 1, 128K (32 tiles a part),
+    fp32 on a plan the host does not know (a capture's) and on a long one."""
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
+
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=66)
+    for lengths, dtype in (([131072], torch.bfloat16), ([131072] * 2, torch.float32)):
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        q, k_cache, block_table, _ = _inputs(b=len(lengths), h_kv=1, page=64)
+        meta = get_mla_metadata()[0]
+        cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, True, sched, seqlens)
+        plan = meta._state["dense"]
+        assert plan.o_accum.dtype == dtype and plan.kernel_schedule.partials_16bit is (dtype == torch.bfloat16)
+        assert recorder["partials"][-1] is (dtype == torch.bfloat16)
+        meta = get_mla_metadata()[0]
+        cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, True, sched)  # lengths not on the host
+        assert meta._state["dense"].o_accum.dtype == torch.float32
+
+
+@pytest.mark.parametrize("b,s_q,h_q,topk,parts,small", [
+    (2, 2, 128, 2048, 33, True),  # 3 tiles a part with the fixed cost of 5
+    (4, 2, 128, 2048, 33, False),  # 5
+    (1, 1, 64, 8192, 132, True),  # 2
+    (128, 2, 128, 2048, 33, False),
+    (3, 2, 128, 128, 7, True),
+    (2, 1, 64, 2048, 132, False),  # one tile a part: nothing to gain
+])
+def test_sparse_small_plan(sparse_recorder, b, s_q, h_q, topk, parts, small):
+    """A small plan (a shape fact) is planned with ``small_plan_fixed_cost`` and, with ``partials_16bit=None``,
+    writes 16-bit partials; the workspace holds them."""
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    sched = SparseDecodeSchedule(num_sm_parts=parts)
+    assert sched.small_plan(b, topk, parts) is small
+    q, k_cache, indices = _sparse_inputs(b=b, s_q=s_q, h_q=h_q, topk=topk)
+    meta = get_mla_metadata()[0]
+    cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True, sched)
+    plan = meta._state["sparse"]
+    assert plan.schedule is sched and plan.kernel_schedule == sched.for_plan(small)
+    assert sparse_recorder["compile"][-1][3].partials_16bit is small
+    assert sparse_recorder["scheduler"][-1][0][0] == (1 if small else 5)
+    assert plan.o_accum.dtype == (torch.bfloat16 if small else torch.float32)
+    # Explicit partials and small plans turned off.
+    for kwargs, fixed_cost, dtype in (({"partials_16bit": False}, 1 if small else 5, torch.float32),
+                                      ({"small_plan_tiles": 0}, 5, torch.float32),
+                                      ({"partials_16bit": True, "small_plan_tiles": 0}, 5, torch.bfloat16)):
+        meta = get_mla_metadata()[0]
+        cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True,
+                           SparseDecodeSchedule(num_sm_parts=parts, **kwargs))
+        assert sparse_recorder["scheduler"][-1][0][0] == fixed_cost
+        assert meta._state["sparse"].o_accum.dtype == dtype
 
 
 @pytest.mark.parametrize("field", ["combine_chunked_batch", "combine_spread_partials"])

@@ -9,7 +9,6 @@ request).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Optional
@@ -144,7 +143,7 @@ class DensePlan:
                 self.kernel_schedule = chosen
                 self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, chosen, with_combine=split)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, cache_seqlens, parts, policy, b, h_kv, rows, q.device, _partial_dtype(schedule, q.dtype)
+            meta, cache_seqlens, parts, policy, b, h_kv, rows, q.device, _partial_dtype(self.kernel_schedule, q.dtype)
         )
 
 
@@ -202,10 +201,11 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
     from ..kernels.build import compile_dense_decode, compile_scheduler
 
     schedule.validate()
-    kernels = [schedule.for_plan(None)]
-    if schedule.kv_evict_first is None:  # chosen per plan: the kernel with evict-first loads too
-        kernels.append(dataclasses.replace(schedule, kv_evict_first=True))
-    for kernel_schedule in kernels:
+    # Every kernel a plan can choose (``for_plan``: the loads' cache policy and the partials' dtype), from the
+    # busiest part's tile counts where a choice changes.
+    edges = (schedule.evict_first_tiles, schedule.partials_16bit_tiles)
+    counts = [None] + [n + d for n in edges for d in (0, 1)]
+    for kernel_schedule in dict.fromkeys(schedule.for_plan(n) for n in counts):
         for with_combine in (True, False):  # a plan that splits no request leaves the combine out
             compile_dense_decode(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, kernel_schedule,
                                  with_combine=with_combine)
@@ -225,9 +225,11 @@ def check_sparse_supported(k_cache: torch.Tensor) -> None:
 
 
 class SparsePlan:
-    """What a metadata object holds for the sparse cute kernel: the compiled step and the workspace."""
+    """What a metadata object holds for the sparse cute kernel: the compiled step and the workspace.
+    ``schedule`` is the call's, ``kernel_schedule`` the one resolved for the plan (``for_plan``)."""
 
-    __slots__ = ("schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype", "facts")
+    __slots__ = ("schedule", "kernel_schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink",
+                 "dtype", "facts")
 
     def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta):
         from ..kernels.build import compile_sparse_decode
@@ -237,20 +239,22 @@ class SparsePlan:
         self.schedule, self.b, self.s_q, self.h_q, self.has_sink, self.dtype = schedule, b, s_q, h_q, has_sink, q.dtype
         self.facts = None
         parts = schedule.num_sm_parts or sparse_num_sm_parts_for(num_sms(q.device), s_q, h_q)
+        # A small plan (few tiles a part, from the shapes alone) takes its own fixed cost and partials.
+        chosen = self.kernel_schedule = schedule.for_plan(schedule.small_plan(b, topk, parts))
         # Without topk_length every request has topk tokens: the kernel is built for that and loads no
         # length (the first call's choice holds for the metadata's later calls, as for attn_sink), and
         # the host knows the plan: when it splits no request, the split kernel writes every output
         # itself and the combine is left out.  The step with the combine is loaded in any case, for a
         # CUDA graph captured later, and a capture keeps it (nothing can be loaded during one).
         given = topk_length is not None
-        self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True, has_topk_length=given)
+        self.step = compile_sparse_decode(s_q, h_q, has_sink, chosen, with_combine=True, has_topk_length=given)
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        policy = schedule.plan_policy(s_q * h_q)
+        policy = chosen.plan_policy(s_q * h_q)
         if not given and not capturing and not _topk_plan_has_split(b, topk, parts, policy):
-            self.step = compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False, has_topk_length=False)
+            self.step = compile_sparse_decode(s_q, h_q, has_sink, chosen, with_combine=False, has_topk_length=False)
         lengths = (topk_length if given else torch.full((b,), topk, dtype=torch.int32, device=q.device)).clamp(1, topk)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, lengths, parts, policy, b, 1, s_q * h_q, q.device, _partial_dtype(schedule, q.dtype)
+            meta, lengths, parts, policy, b, 1, s_q * h_q, q.device, _partial_dtype(chosen, q.dtype)
         )
 
 
@@ -323,7 +327,9 @@ def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_to
     from ..kernels.build import compile_scheduler, compile_sparse_decode
 
     schedule.validate()
-    compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=True, has_topk_length=has_topk_length)
-    if not has_topk_length:  # a plan that splits no request leaves the combine out (known only without lengths)
-        compile_sparse_decode(s_q, h_q, has_sink, schedule, with_combine=False)
-    compile_scheduler(*schedule.plan_policy(s_q * h_q))
+    # Both plan kinds (``small_plan``: a shape fact of each call), where they differ.
+    for chosen in dict.fromkeys(schedule.for_plan(small) for small in ((False, True) if schedule.small_plan_tiles else (False,))):
+        compile_sparse_decode(s_q, h_q, has_sink, chosen, with_combine=True, has_topk_length=has_topk_length)
+        if not has_topk_length:  # a plan that splits no request leaves the combine out (known only without lengths)
+            compile_sparse_decode(s_q, h_q, has_sink, chosen, with_combine=False)
+        compile_scheduler(*chosen.plan_policy(s_q * h_q))
