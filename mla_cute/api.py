@@ -428,9 +428,11 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64) and ``schedule``.
     Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
     ``attn_sink`` and ``topk_length`` (False: whether calls pass one) and ``schedule``.
-    ``schedule`` (keyword) is the default for configurations of its kind.  A dense configuration
-    under a schedule with ``kv_evict_first=None`` (the default: the loads are chosen per plan) builds
-    four kernels: normal and evict-first loads, each with and without the combine.  Needs no GPU (set
+    ``schedule`` (keyword) is the default for configurations of its kind.  Every kernel a plan can
+    choose is built: under the default dense schedule (the loads' cache policy and the partials' dtype
+    chosen per plan) six, normal loads with fp32 partials and evict-first loads with fp32 or 16-bit
+    partials, each with and without the combine; under the default sparse schedule the kernels of plans
+    that are small (``small_plan_tiles``) and of those that are not.  Needs no GPU (set
     ``CUTE_DSL_ARCH=sm_90a`` before importing cutlass on a machine without one).  Returns the
     number of configurations prepared; each cold compile logs a line with its configuration.
     """
