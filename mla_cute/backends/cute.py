@@ -328,7 +328,8 @@ def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_to
 
     schedule.validate()
     # Both plan kinds (``small_plan``: a shape fact of each call), where they differ.
-    for chosen in dict.fromkeys(schedule.for_plan(small) for small in ((False, True) if schedule.small_plan_tiles else (False,))):
+    kinds = (False, True) if schedule.small_plan_tiles else (False,)
+    for chosen in dict.fromkeys(schedule.for_plan(small) for small in kinds):
         compile_sparse_decode(s_q, h_q, has_sink, chosen, with_combine=True, has_topk_length=has_topk_length)
         if not has_topk_length:  # a plan that splits no request leaves the combine out (known only without lengths)
             compile_sparse_decode(s_q, h_q, has_sink, chosen, with_combine=False)
