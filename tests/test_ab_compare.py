@@ -1,0 +1,63 @@
+"""The A/B benchmark's spec reading and summary, on the CPU (the timing itself needs the GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+
+def _spec(tmp_path, rows):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+def test_spec_rows_and_variants_resolve(tmp_path):
+    import ab_compare
+
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DEFAULT_SPARSE_SCHEDULE
+
+    rows = ab_compare.load_spec(_spec(tmp_path, [
+        {"kind": "dense", "row": [1, 1, 128, 131072], "variants": ["default", "default:partials_16bit=False"]},
+        {"kind": "sparse", "row": [2, 2, 128, 32768, 2048],
+         "variants": ["default", "default:partials_16bit=False,small_plan_tiles=0"]},
+    ]))
+    (dense_kind, dense_row, dense), (sparse_kind, sparse_row, sparse) = rows
+    assert (dense_kind, dense_row, sparse_kind, sparse_row) == ("dense", (1, 1, 128, 131072), "sparse",
+                                                                (2, 2, 128, 32768, 2048))
+    assert dense["default"] == DEFAULT_DENSE_SCHEDULE and dense["default:partials_16bit=False"].partials_16bit is False
+    assert sparse["default"] == DEFAULT_SPARSE_SCHEDULE
+    assert sparse["default:partials_16bit=False,small_plan_tiles=0"].small_plan_tiles == 0
+
+
+@pytest.mark.parametrize("rows,match", [
+    ([], "non-empty JSON list"),
+    ([{"kind": "prefill", "row": [1, 1, 1, 1], "variants": ["default"]}], "kind must be one of"),
+    ([{"kind": "dense", "row": [1, 1, 128], "variants": ["default"]}], "row must be 4 positive ints"),
+    ([{"kind": "sparse", "row": [2, 2, 128, 32768], "variants": ["default"]}], "row must be 5 positive ints"),
+    ([{"kind": "dense", "row": [1, 1, 128, 0], "variants": ["default"]}], "row must be 4 positive ints"),
+    ([{"kind": "dense", "row": [1, 1, 128, 4096], "variants": []}], "variants must be a non-empty list"),
+    ([{"kind": "dense", "row": [1, 1, 128, 4096], "variants": ["fastest"]}], "variant 'fastest'"),
+    ([{"kind": "dense", "row": [1, 1, 128, 4096], "variants": ["default:no_such_field=1"]}], "no_such_field"),
+    ([{"kind": "dense", "row": [1, 1, 128, 4096], "variants": ["default:partials_16bit=3"]}],
+     "partials_16bit must be a bool"),
+])
+def test_malformed_spec_is_rejected(tmp_path, rows, match):
+    import ab_compare
+
+    with pytest.raises(ValueError, match=match):
+        ab_compare.load_spec(_spec(tmp_path, rows))
+
+
+def test_summary_reports_median_and_range():
+    import ab_compare
+
+    results = [dict(kind="dense", row=[1, 1, 128, 4096], variant="default", round=r, us=us)
+               for r, us in enumerate((18.0, 18.4, 17.9))]
+    assert ab_compare.summary(results) == ("dense (1, 1, 128, 4096) default: median 18.0 us, range 17.9-18.4 "
+                                           "(18.0 18.4 17.9)")
