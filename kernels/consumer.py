@@ -12,9 +12,11 @@ are masked: a kernel passes a mask record (``LengthMask``, or the sparse kernel'
 mask) to ``online_softmax``.  The epilogue writes final rows (FlashMLA's layouts, through
 ``layouts.py``) or fp32 partials with a base-2 lse for the combine kernel, optionally
 scaled by an attention sink.  Final rows leave from registers, or (``StagedRows``: the sparse
-leader-follower and the dense seesaw kernels) through shared memory and one bulk copy per row:
-under a busy memory system 64 stores per thread took 4-8 us and held up the loads of the next
-request's tiles.
+leader-follower and the dense seesaw kernels) through shared memory: under a busy memory system
+64 stores per thread took 4-8 us and held up the loads of the next request's tiles.  From the
+staging rows the dense kernel issues one bulk copy per row; the sparse kernel's follower copies
+them with 16-byte loads and stores, because its TMA unit also carries the producer's hand-over
+copies, behind which 64 bulk copies a request waited.
 """
 
 from __future__ import annotations
@@ -344,9 +346,10 @@ class SplitKVConsumer:
 
     @cute.jit
     def store_staged(self, v, inv, staged, out, first_mode, tile, col_base):
-        """O * inv into the staging rows, then (thread 0 of warpgroup ``staged.issuer``) one bulk copy per
-        row to ``out[first_mode, kv_head, row]`` (a request's output, or a split's 16-bit partial), waited
-        for until shared memory is read."""
+        """O * inv into the staging rows, then to ``out[first_mode, kv_head, row]`` (a request's output, or
+        a split's 16-bit partial): by warpgroup ``staged.issuer``'s threads (``copy_staged_rows``) where
+        ``staged.copied`` is set, else by one bulk copy per row from its thread 0, waited for until
+        shared memory is read."""
         for e in cutlass.range_constexpr(0, cute.size(v.acc_o), 2):
             r, c = v.tOcO[e]
             i = (e // 2) % 2
@@ -354,14 +357,37 @@ class SplitKVConsumer:
             pair[0] = (v.acc_o[e] * inv[i]).to(self.dtype)
             pair[1] = (v.acc_o[e + 1] * inv[i]).to(self.dtype)
             cute.autovec_copy(pair, cute.local_tile(staged.rows[r, None], (2,), ((col_base + c) // 2,)))
-        cute.arch.fence_view_async_shared()  # the bulk copies read through the async proxy
-        staged.written.arrive_and_wait()
-        if v.wg == staged.issuer and v.tid == 0:
-            for k in cutlass.range(cutlass.min(tile.row_count, BLOCK_M), unroll=1):
-                bulk_copy_to_global(out[first_mode, tile.kv_head, tile.row_base + k, None].iterator,
-                                    staged.rows[k, None].iterator, D_V * 2)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if cutlass.const_expr(staged.copied is not None):
+            staged.written.arrive_and_wait()
+            if v.wg == staged.issuer:
+                self.copy_staged_rows(v, staged, out, first_mode, tile)
+        else:
+            cute.arch.fence_view_async_shared()  # the bulk copies read through the async proxy
+            staged.written.arrive_and_wait()
+            if v.wg == staged.issuer and v.tid == 0:
+                for k in cutlass.range(cutlass.min(tile.row_count, BLOCK_M), unroll=1):
+                    bulk_copy_to_global(out[first_mode, tile.kv_head, tile.row_base + k, None].iterator,
+                                        staged.rows[k, None].iterator, D_V * 2)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def copy_staged_rows(self, v, staged, out, first_mode, tile):
+        """The staging rows to ``out`` by one warpgroup's 128 threads, a 16-byte piece each per step: a
+        warp moves 512 contiguous bytes of a row per load and per store.  On return the warpgroup has
+        met at ``staged.copied``, so the staging bytes may take the next Q (a TMA write, hence the
+        fence).  A method of its own: a loop inside the caller's branch rebinds its names."""
+        n_rows = cutlass.min(tile.row_count, BLOCK_M)
+        piece = v.tid % PIECES_PER_ROW
+        for step in cutlass.range(BLOCK_M * PIECES_PER_ROW // WARPGROUP_THREADS, unroll=1):
+            row = step * (WARPGROUP_THREADS // PIECES_PER_ROW) + v.tid // PIECES_PER_ROW
+            if row < n_rows:
+                vec = cute.make_rmem_tensor((PIECE,), self.dtype)
+                cute.autovec_copy(cute.local_tile(staged.rows[row, None], (PIECE,), (piece,)), vec)
+                dst = out[first_mode, tile.kv_head, tile.row_base + row, None]
+                cute.autovec_copy(vec, cute.local_tile(dst, (PIECE,), (piece,)))
+        cute.arch.fence_view_async_shared()
+        staged.copied.arrive_and_wait()
 
     @cute.jit
     def store_pairs(self, v, inv, dst, first_mode, tile, col_base, dtype: cutlass.Constexpr):
@@ -388,6 +414,9 @@ MAX_SLACK = 8.0
 # Staging rows for final outputs: 16 bytes of padding per row, so the accumulator's stores, 8 rows
 # per instruction, fall in distinct banks.
 STAGED_PITCH = D_V + 8
+PIECE = 8  # 16-bit elements in 16 bytes: ``copy_staged_rows``' vectors
+PIECES_PER_ROW = D_V // PIECE
+WARPGROUP_THREADS = 128
 
 
 def staged_rows_layout():
@@ -562,13 +591,15 @@ class RowState:
 
 @dataclasses.dataclass
 class StagedRows:
-    """Final output rows staged in shared memory (``staged_rows_layout``) for bulk copies; ``written``:
-    the named barrier of the two consumer warpgroups after both wrote their halves; ``issuer``: the
-    warpgroup (0 or 1) whose thread 0 issues the copies."""
+    """Final output rows staged in shared memory (``staged_rows_layout``); ``written``: the named barrier
+    of the two consumer warpgroups after both wrote their halves; ``issuer``: the warpgroup (0 or 1)
+    that copies them out; ``copied``: None (its thread 0 issues one bulk copy per row), or a named
+    barrier of its 128 threads, which copy the rows with vector loads and stores and meet there."""
 
     rows: Any
     written: Any
     issuer: int
+    copied: Any = None
 
 
 @dataclasses.dataclass

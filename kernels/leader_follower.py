@@ -16,7 +16,8 @@ twice, and the follower waits for nothing but P.
 Named barriers (``LeaderBarrier``): P_READY (leader -> follower: sP and sScale of this tile
 written), P_FREE (follower -> leader: done with sP and sScale; after the follower's epilogue of
 a request, done with sSum too), ROW_SUM (the shared epilogue's sums), OUT_STAGED (both halves of a
-request's final rows are in the staging bytes, ``consumer.StagedRows``).  The follower arrives on
+request's final rows are in the staging bytes, ``consumer.StagedRows``), OUT_COPIED (the follower
+only: its threads have copied them out).  The follower arrives on
 P_FREE after every tile but a request's last, and after each request's epilogue but the last;
 the leader waits on it before every tile's publication but its first.
 
@@ -46,6 +47,7 @@ class LeaderBarrier(enum.IntEnum):
     P_FREE = 2
     ROW_SUM = 3
     OUT_STAGED = 4
+    OUT_COPIED = 5  # the follower's 128 threads only: the staged rows are copied out
 
 
 class LeaderFollowerConsumer(SplitKVConsumer):

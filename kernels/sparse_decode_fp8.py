@@ -34,8 +34,8 @@ Warpgroup roles (384 threads):
 
 Shared-memory plan (bytes):
   sQ     64 x 576 bf16                    73 728  (leader-follower: after a request's last S, its
-                                                   final rows or 16-bit partial, 64 x 520 bf16, for
-                                                   bulk copies)
+                                                   final rows or 16-bit partial, 64 x 520 bf16, which
+                                                   the follower's threads copy out)
   sKV    kv_stages x 64 x 576 bf16        73 728 each (V is the first 512 columns of K)
   sP     64 x 64 bf16                      8 192
   sMax, sSum  [2][64] fp32                 1 024  (leader-follower: sMax holds the leader's
@@ -57,7 +57,8 @@ swizzle atom); the RoPE block and the rows' bias go last; or st.async stores of 
 the barrier setup and before exit (the consumers arrive before their last epilogue).
 
 Named barriers (consumers only; the producer syncs on mbarriers): ``leader_follower.LeaderBarrier``
-(``OUT_STAGED``: both halves of the final rows are in sQ) or ``consumer.BarrierId``.
+(``OUT_STAGED``: both halves of the final rows are in sQ; ``OUT_COPIED``: the follower has copied
+them out) or ``consumer.BarrierId``.
 """
 
 from __future__ import annotations
@@ -281,12 +282,15 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             # its own record of the outputs: a branch may rebind the fields of what it is passed.
             lf_mmas = make_seesaw_mmas(self.dtype)
             outs_lead, outs_follow = dataclasses.replace(outs), dataclasses.replace(outs)
-            # Final rows leave through Q's bytes: Q is dead after a request's last S.  The follower
-            # copies them out and then loads the next request's Q (it has registers to spare).
+            # Final rows leave through Q's bytes: Q is dead after a request's last S.  The follower's
+            # threads copy them out (it has registers to spare; 64 bulk copies a request queued behind
+            # the producer's hand-over copies in the TMA unit: 1.6-7% slower) and then its first warp
+            # loads the next request's Q.
             staged = StagedRows(
                 rows=cute.make_tensor(storage.sQ.data_ptr(), staged_rows_layout()),
                 written=pipeline.NamedBarrier(barrier_id=int(LeaderBarrier.OUT_STAGED), num_threads=256),
                 issuer=1,
+                copied=pipeline.NamedBarrier(barrier_id=int(LeaderBarrier.OUT_COPIED), num_threads=128),
             )
         # The scheduler record is read after the register split, so neither role carries it
         # across the reallocation (it spilled otherwise).
@@ -600,8 +604,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     def follow(self, v, sScale, sSum, q_load, staged, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx,
                head_tile, work, rank):
         """The follower: O_R of every tile from the leader's P.  Its first warp also loads the leader's Q:
-        the first request's at the start, each next one's once the epilogue's copies have read the staged
-        rows out of Q's bytes (the leader's last S of a request precedes the P the follower waits for)."""
+        the first request's at the start, each next one's once the follower's threads have copied the
+        staged rows out of Q's bytes (the leader's last S of a request precedes the P the follower waits
+        for)."""
         rows, _, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
         if v.tid < 32:
             if work.begin_req <= work.end_req:
@@ -635,9 +640,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             load_after = req < work.end_req
             if cutlass.const_expr(fp32_partials):
                 load_after = load_after & (n_splits == 1)
-            if v.tid < 32:  # after its lane 0 waited for the copies' reads
+            if v.tid < 32:  # after the warpgroup met at OUT_COPIED
                 if load_after:
-                    cute.arch.sync_warp()
+                    cute.arch.sync_warp()  # the copy elects a lane of a converged warp
                     q_load.copy(req + 1, self.q_bytes)
             # A request's last P_FREE waits for the epilogue: the leader's next sums go into sSum.
             if (req != work.end_req) & (last > first):

@@ -133,9 +133,10 @@ def test_dense_tile_multicast_refuses_m_tiles_it_cannot_pair(s_q, h_q, causal):
 
 
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
-def test_16bit_partials_leave_through_bulk_copies_without_spills(kind, capfd):
-    """With ``partials_16bit`` a split's rows are staged like the final rows: a second set of bulk copies
-    from shared memory to global memory (one per row), the combine loads 16-bit vectors, no spills."""
+def test_16bit_partials_leave_through_staged_rows_without_spills(kind, capfd):
+    """With ``partials_16bit`` a split's rows are staged like the final rows and leave the same way: a
+    second set of bulk copies from shared memory to global memory (dense, one per row) or of 16-byte
+    loads and stores (sparse, the follower's threads); the combine loads 16-bit vectors, no spills."""
     import dataclasses
 
     from mla_cute.kernels.build import compile_dense_decode, compile_sparse_decode
@@ -148,7 +149,12 @@ def test_16bit_partials_leave_through_bulk_copies_without_spills(kind, capfd):
         sched = dataclasses.replace(DEFAULT_SPARSE_SCHEDULE, partials_16bit=True)
         fn = compile_sparse_decode(2, 128, False, sched, options=OPTIONS, with_combine=True)
     ptx = fn.__ptx__
-    assert ptx.count("cp.async.bulk.global.shared") == 2, "final rows and partials, each a bulk copy per row"
+    if kind == "dense":
+        assert ptx.count("cp.async.bulk.global.shared") == 2, "final rows and partials, each a bulk copy per row"
+    else:
+        assert "cp.async.bulk.global.shared" not in ptx
+        # The follower's threads copy the rows out and meet at OUT_COPIED: final rows and partials.
+        assert ptx.count("bar.sync \t5, 128;") == 2 and ptx.count("st.global.v4.b32") >= 2
     assert re.search(r"ld\.global(\.\w+)*\.v2\.b32", ptx), "the combine's 16-bit partial vectors (4 x 16 bits)"
     assert "ld.local" not in ptx and "st.local" not in ptx
     spills, _ = _ptxas_report(capfd.readouterr().err)
@@ -215,10 +221,12 @@ def test_sparse_decode_gathers_with_vector_loads_without_spills(s_q, h_q, sink, 
     assert ptx.count("ld.global.v4.b32") >= 24
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
-    # Leader-follower: final rows leave through shared memory by bulk copies, waited for before the
-    # next Q overwrites them; the serial consumers store them from registers.
-    staged = "cp.async.bulk.global.shared::cta" in ptx and "cp.async.bulk.wait_group.read" in ptx
+    # Leader-follower: final rows leave through shared memory, copied out by the follower's threads in
+    # 16-byte pieces, which meet at a barrier of their own before the next Q overwrites them; the serial
+    # consumers store them from registers.
+    staged = "ld.shared.v4.b32" in ptx and "st.global.v4.b32" in ptx and "bar.sync \t5, 128;" in ptx
     assert staged == leader_follower
+    assert "cp.async.bulk.global.shared" not in ptx
     err = capfd.readouterr().err
     assert "C7514" not in err and "C7517" not in err, "ptxas serialized WGMMA: " + err[:2000]
     spills, regs = _ptxas_report(err)
