@@ -606,7 +606,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         """The follower: O_R of every tile from the leader's P.  Its first warp also loads the leader's Q:
         the first request's at the start, each next one's once the follower's threads have copied the
         staged rows out of Q's bytes (the leader's last S of a request precedes the P the follower waits
-        for)."""
+        for), prefetched into L2 at the start of the request's last tile."""
         rows, _, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
         if v.tid < 32:
             if work.begin_req <= work.end_req:
@@ -618,6 +618,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             splits = load_splits(outs, req)
             self.start_rows(v, rows)
             for blk in cutlass.range(first, last, unroll=1):
+                if v.tid < 32:
+                    if (blk + 1 == last) & (req < work.end_req):
+                        q_load.prefetch(req + 1)
                 bars.p_ready.arrive_and_wait()
                 self.wait_stage(kv_pipe, kv_state)  # already full: the leader read this stage
                 self.follower_pv(v, rows, sScale, kv_state.index)
@@ -722,6 +725,15 @@ class QLoad:
             if cute.arch.lane_idx() == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(self.full, expect_bytes)
         cute.copy(self.atom, self.tQgQ[None, self.head_tile, 0, self.s_idx, req], self.tQsQ, tma_bar_ptr=self.full)
+
+    @cute.jit
+    def prefetch(self, req):
+        """Request ``req``'s Q into L2 (one lane of the calling warp).  Issued as the follower begins the
+        previous request's last tile, a few microseconds before the load at the boundary, which then
+        reads L2 instead of memory (about 1% at four requests a part; earlier, at a request's start, the
+        gathered rows would evict it)."""
+        with cute.arch.elect_one():
+            cute.prefetch(self.atom, self.tQgQ[None, self.head_tile, 0, self.s_idx, req])
 
 
 @dataclasses.dataclass
