@@ -54,7 +54,7 @@ class SparseDecodeSchedule:
         64-head tiles), so b = 1 or 2 at s_q = 1, h_q = 64: b = 1, topk 8192 10% faster on the H200; the b =
         2, s_q = 2 row (16 parts a request) keeps one warp a row chunk (docs/performance.md, S36).
     partials_16bit: a split's partial O in the output's 16-bit dtype (lse stays fp32), staged in shared
-        memory and copied out with bulk copies like the final rows, instead of fp32 from registers:
+        memory and copied out by the follower's threads like the final rows, instead of fp32 from registers:
         half the partial bytes written and read back by the combine.  Needs the leader-follower
         consumers.  None (the default): on for small plans only (``small_plan_tiles``).  Measured on the
         H200 (docs/performance.md, entry 32, sparse S37, S39): with FlashMLA's fixed cost the b = 2 and b = 74
@@ -136,7 +136,7 @@ class SparseDecodeSchedule:
             check_bool("partials_16bit", self.partials_16bit)
         if self.partials_16bit and not self.leader_follower:
             raise ValueError("partials_16bit needs the leader-follower consumers (their epilogue stages rows in "
-                             "shared memory for bulk copies); set leader_follower=True")
+                             "shared memory); set leader_follower=True")
         check_split_policy(self)
         check_counts(self, "small_plan_tiles", "small_plan_fixed_cost")
         check_combine(self)

@@ -227,6 +227,8 @@ def test_sparse_decode_gathers_with_vector_loads_without_spills(s_q, h_q, sink, 
     staged = "ld.shared.v4.b32" in ptx and "st.global.v4.b32" in ptx and "bar.sync \t5, 128;" in ptx
     assert staged == leader_follower
     assert "cp.async.bulk.global.shared" not in ptx
+    # The follower prefetches the next request's Q into L2 (one TMA prefetch per 64-column box of Q).
+    assert ("cp.async.bulk.prefetch.tensor" in ptx) == leader_follower
     err = capfd.readouterr().err
     assert "C7514" not in err and "C7517" not in err, "ptxas serialized WGMMA: " + err[:2000]
     spills, regs = _ptxas_report(err)
