@@ -61,34 +61,24 @@ def load_spec(path: str) -> list:
 
 def make_call(kind: str, row: tuple, schedule, inputs):
     """The whole decode call on ``inputs`` under ``schedule``, with fresh metadata (its plan is made at the first call)."""
+    import bench_decode
+    import bench_sparse
     import mla_cute
 
     meta, _ = mla_cute.get_mla_metadata()
     if kind == "dense":
-        q, k_cache, block_table, seqlens = inputs
-        return lambda: mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=row[1] > 1,
-                                                       backend="cute", schedule=schedule)
-    q, k_cache, indices = inputs
-    return lambda: mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, is_fp8_kvcache=True,
-                                                   indices=indices, backend="cute", schedule=schedule)
+        return bench_decode.decode_call(inputs, row[1], schedule, meta)
+    return bench_sparse.sparse_call(inputs, schedule, meta)
 
 
 def check(kind: str, row: tuple, inputs, out) -> float:
     """Relative error (Frobenius) against the torch reference, or NaN where the reference is too costly."""
-    import torch
-
     import bench_decode
-    import mla_cute
+    import bench_sparse
 
     if kind == "dense":
         return bench_decode.rel_err(*row, *inputs, out)
-    b, s_q = row[:2]
-    if b * s_q > 16:
-        return float("nan")
-    q, k_cache, indices = inputs
-    ref, _ = mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, mla_cute.get_mla_metadata()[0],
-                                             is_fp8_kvcache=True, indices=indices, backend="reference")
-    return float(torch.linalg.norm(out.float() - ref.float()) / torch.linalg.norm(ref.float()))
+    return bench_sparse.rel_err(*row[:2], *inputs, out)
 
 
 def run(rows: list, rounds: int) -> list:

@@ -77,6 +77,13 @@ def make_inputs(b, s_q, h_q, s_k, dtype=torch.bfloat16, page=64, device="cuda"):
     return q, k_cache, block_table, seqlens
 
 
+def decode_call(inputs, s_q, schedule, meta):
+    """The whole dense decode call on ``make_inputs``' tensors (causal when s_q > 1)."""
+    q, k_cache, block_table, seqlens = inputs
+    return lambda: mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=s_q > 1,
+                                                   backend="cute", schedule=schedule)
+
+
 def rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out):
     if b * s_k > 128 * 8192:  # the reference would take too long
         return float("nan")
@@ -128,11 +135,7 @@ def run(configs, schedule_name="default"):
         torch.manual_seed(b * 7 + s_q * 3 + h_q + s_k)
         q, k_cache, block_table, seqlens = make_inputs(b, s_q, h_q, s_k)
         meta, _ = mla_cute.get_mla_metadata()
-
-        def fn():
-            return mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=s_q > 1,
-                                                   backend="cute", schedule=schedule)
-
+        fn = decode_call((q, k_cache, block_table, seqlens), s_q, schedule, meta)
         out, _ = fn()
         torch.cuda.synchronize()
         err = rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out) if schedule_name in (

@@ -56,6 +56,22 @@ def make_inputs(b, s_q, h_q, s_k, topk, page=64, device="cuda"):
     return q, k_cache, indices
 
 
+def sparse_call(inputs, schedule, meta):
+    """The whole sparse decode call on ``make_inputs``' tensors."""
+    q, k_cache, indices = inputs
+    return lambda: mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, is_fp8_kvcache=True,
+                                                   indices=indices, backend="cute", schedule=schedule)
+
+
+def rel_err(b, s_q, q, k_cache, indices, out):
+    """Relative error (Frobenius) against the torch reference, or NaN above 16 queries (too slow there)."""
+    if b * s_q > 16:
+        return float("nan")
+    ref, _ = mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, mla_cute.get_mla_metadata()[0],
+                                             is_fp8_kvcache=True, indices=indices, backend="reference")
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
 def schedule_named(name: str):
     """A name of ``schedules()``, optionally with fields changed for a sweep:
     ``crossover:num_sm_parts=16``, ``default:split_fixed_cost=2``."""
@@ -69,18 +85,10 @@ def run(configs, schedule_name="default"):
         torch.manual_seed(b * 7 + s_q * 3 + h_q + topk)
         q, k_cache, indices = make_inputs(b, s_q, h_q, s_k, topk)
         meta, _ = mla_cute.get_mla_metadata()
-
-        def fn():
-            return mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, is_fp8_kvcache=True,
-                                                   indices=indices, backend="cute", schedule=schedule)
-
+        fn = sparse_call((q, k_cache, indices), schedule, meta)
         out, _ = fn()
         torch.cuda.synchronize()
-        err = float("nan")
-        if b * s_q <= 16:
-            ref, _ = mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, mla_cute.get_mla_metadata()[0],
-                                                     is_fp8_kvcache=True, indices=indices, backend="reference")
-            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+        err = rel_err(b, s_q, q, k_cache, indices, out)
         warm_gpu()
         us = bench(fn, warmup=10, rep=100) * 1e3
         flops = 2 * b * s_q * h_q * topk * (576 + 512)
