@@ -21,8 +21,10 @@ def _ptxas_report(stderr: str):
 def _assert_wgmma_not_serialized(stderr: str) -> None:
     """ptxas reports each serialization of the WGMMAs as "(Cnnnn) Potential Performance Loss: wgmma.mma_async
     instructions are serialized due to <reason>" (C7512: too few registers; C7518: a WGMMA in a divergent
-    path; C7514 and C7517 were the codes checked before), after which the WGMMAs run one after another."""
-    codes = sorted(set(re.findall(r"\((C\d{4})\)\s+Potential\s+Performance\s+Loss", stderr)))
+    path), after which the WGMMAs run one after another.  Any such report fails, and any C75nn code (the
+    checks before named C7514 and C7517)."""
+    codes = set(re.findall(r"\((C\d{4})\)\s+Potential\s+Performance\s+Loss", stderr))
+    codes = sorted(codes | set(re.findall(r"\((C75\d\d)\)", stderr)))
     assert not codes, f"ptxas serialized WGMMA ({', '.join(codes)}): " + stderr[:2000]
 
 
@@ -34,6 +36,8 @@ def test_wgmma_serialization_check_reads_wrapped_remarks():
     for text, code in ((wrapped, "C7518"), (split, "C7512")):
         with pytest.raises(AssertionError, match=code):
             _assert_wgmma_not_serialized(text)
+    with pytest.raises(AssertionError, match="C7514"):
+        _assert_wgmma_not_serialized("ptxas info    : (C7514) wgmma.mma_async serialized")
     _assert_wgmma_not_serialized("ptxas info    : Used 168 registers, used 6 barriers")
 
 
