@@ -24,16 +24,20 @@ import os
 import statistics
 import sys
 
+import torch
+
+import mla_cute
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+import bench_decode  # noqa: E402  (the benchmarks' own calls, checks and timing)
+import bench_sparse  # noqa: E402
 
 KINDS = {"dense": 4, "sparse": 5}
 
 
 def load_spec(path: str) -> list:
     """The spec's rows with their schedules resolved (raises ValueError on a malformed row or variant)."""
-    import bench_decode
-    import bench_sparse
-
     spec = json.load(open(path))
     if not isinstance(spec, list) or not spec:
         raise ValueError(f"{path}: expected a non-empty JSON list of rows")
@@ -61,10 +65,6 @@ def load_spec(path: str) -> list:
 
 def make_call(kind: str, row: tuple, schedule, inputs):
     """The whole decode call on ``inputs`` under ``schedule``, with fresh metadata (its plan is made at the first call)."""
-    import bench_decode
-    import bench_sparse
-    import mla_cute
-
     meta, _ = mla_cute.get_mla_metadata()
     if kind == "dense":
         return bench_decode.decode_call(inputs, row[1], schedule, meta)
@@ -73,20 +73,12 @@ def make_call(kind: str, row: tuple, schedule, inputs):
 
 def check(kind: str, row: tuple, inputs, out) -> float:
     """Relative error (Frobenius) against the torch reference, or NaN where the reference is too costly."""
-    import bench_decode
-    import bench_sparse
-
     if kind == "dense":
         return bench_decode.rel_err(*row, *inputs, out)
     return bench_sparse.rel_err(*row[:2], *inputs, out)
 
 
 def run(rows: list, rounds: int) -> list:
-    import torch
-
-    import bench_decode
-    import bench_sparse
-
     results = []
     for r in range(rounds):
         for kind, row, schedules in rows:
@@ -99,8 +91,7 @@ def run(rows: list, rounds: int) -> list:
                 torch.cuda.synchronize()
                 err = check(kind, row, inputs, out) if r == 0 else float("nan")
                 bench_decode.warm_gpu()
-                reps = {"warmup": 20, "rep": 200} if kind == "dense" else {"warmup": 10, "rep": 100}
-                us = bench_decode.bench(fn, **reps) * 1e3
+                us = bench_decode.bench(fn, **(bench_decode if kind == "dense" else bench_sparse).REPS) * 1e3
                 rec = dict(kind=kind, row=list(row), variant=name, round=r, us=us, rel_err=err,
                            nan=bool(torch.isnan(out).any()))
                 results.append(rec)

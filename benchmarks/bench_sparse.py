@@ -28,6 +28,7 @@ CONFIGS = [  # (b, s_q, h_q, s_k, topk): the anchor's rows
     (128, 2, 64, 32768, 2048), (128, 1, 128, 32768, 2048), (64, 2, 128, 65536, 16384),
 ]
 ANCHOR = os.path.join(os.path.dirname(__file__), "results", "anchor_flashmla_sparse_fp8_h200.json")
+REPS = dict(warmup=10, rep=100)  # do_bench's, as the anchor was timed
 
 
 def schedules():
@@ -90,7 +91,7 @@ def run(configs, schedule_name="default"):
         torch.cuda.synchronize()
         err = rel_err(b, s_q, q, k_cache, indices, out)
         warm_gpu()
-        us = bench(fn, warmup=10, rep=100) * 1e3
+        us = bench(fn, **REPS) * 1e3
         flops = 2 * b * s_q * h_q * topk * (576 + 512)
         nbytes = b * s_q * topk * 656 + 2 * b * s_q * h_q * (576 + 512)
         rows.append(dict(b=b, s_q=s_q, h_q=h_q, s_k=s_k, topk=topk, us=us, tflops=flops / us / 1e6,
@@ -118,7 +119,7 @@ def main():
     print(table(rows, anchor, keys=("b", "s_q", "h_q", "s_k", "topk")))
     if args.out:
         save(args.out, rows, "0.5 s of GPU work right before each row, then the median of "
-                            "triton.testing.do_bench(warmup=10, rep=100), whole call")
+                            f"triton.testing.do_bench(warmup={REPS['warmup']}, rep={REPS['rep']}), whole call")
 
 
 if __name__ == "__main__":

@@ -378,14 +378,14 @@ class SplitKVConsumer:
         met at ``staged.copied``, so the staging bytes may take the next Q (a TMA write, hence the
         fence).  A method of its own: a loop inside the caller's branch rebinds its names."""
         n_rows = cutlass.min(tile.row_count, BLOCK_M)
-        piece = v.tid % PIECES_PER_ROW
-        for step in cutlass.range(BLOCK_M * PIECES_PER_ROW // WARPGROUP_THREADS, unroll=1):
-            row = step * (WARPGROUP_THREADS // PIECES_PER_ROW) + v.tid // PIECES_PER_ROW
+        piece = v.tid % COPY_VECS_PER_ROW
+        for step in cutlass.range(BLOCK_M * COPY_VECS_PER_ROW // WARPGROUP_THREADS, unroll=1):
+            row = step * (WARPGROUP_THREADS // COPY_VECS_PER_ROW) + v.tid // COPY_VECS_PER_ROW
             if row < n_rows:
-                vec = cute.make_rmem_tensor((PIECE,), self.dtype)
-                cute.autovec_copy(cute.local_tile(staged.rows[row, None], (PIECE,), (piece,)), vec)
+                vec = cute.make_rmem_tensor((COPY_VEC,), self.dtype)
+                cute.autovec_copy(cute.local_tile(staged.rows[row, None], (COPY_VEC,), (piece,)), vec)
                 dst = out[first_mode, tile.kv_head, tile.row_base + row, None]
-                cute.autovec_copy(vec, cute.local_tile(dst, (PIECE,), (piece,)))
+                cute.autovec_copy(vec, cute.local_tile(dst, (COPY_VEC,), (piece,)))
         cute.arch.fence_view_async_shared()
         staged.copied.arrive_and_wait()
 
@@ -414,8 +414,8 @@ MAX_SLACK = 8.0
 # Staging rows for final outputs: 16 bytes of padding per row, so the accumulator's stores, 8 rows
 # per instruction, fall in distinct banks.
 STAGED_PITCH = D_V + 8
-PIECE = 8  # 16-bit elements in 16 bytes: ``copy_staged_rows``' vectors
-PIECES_PER_ROW = D_V // PIECE
+COPY_VEC = 8  # 16-bit elements in 16 bytes: ``copy_staged_rows``' vectors
+COPY_VECS_PER_ROW = D_V // COPY_VEC
 WARPGROUP_THREADS = 128
 
 

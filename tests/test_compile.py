@@ -41,6 +41,13 @@ def test_wgmma_serialization_check_reads_wrapped_remarks():
     _assert_wgmma_not_serialized("ptxas info    : Used 168 registers, used 6 barriers")
 
 
+def _out_copied_sync() -> str:
+    """The PTX of the sparse follower's 128 threads meeting at OUT_COPIED (the staged rows copied out)."""
+    from mla_cute.kernels.leader_follower import LeaderBarrier
+
+    return f"bar.sync \t{int(LeaderBarrier.OUT_COPIED)}, 128;"
+
+
 @pytest.fixture(autouse=True)
 def _dump_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
@@ -176,7 +183,7 @@ def test_16bit_partials_leave_through_staged_rows_without_spills(kind, capfd):
     else:
         assert "cp.async.bulk.global.shared" not in ptx
         # The follower's threads copy the rows out and meet at OUT_COPIED: final rows and partials.
-        assert ptx.count("bar.sync \t5, 128;") == 2 and ptx.count("st.global.v4.b32") >= 2
+        assert ptx.count(_out_copied_sync()) == 2 and ptx.count("st.global.v4.b32") >= 2
     assert re.search(r"ld\.global(\.\w+)*\.v2\.b32", ptx), "the combine's 16-bit partial vectors (4 x 16 bits)"
     assert "ld.local" not in ptx and "st.local" not in ptx
     err = capfd.readouterr().err
@@ -248,7 +255,7 @@ def test_sparse_decode_gathers_with_vector_loads_without_spills(s_q, h_q, sink, 
     # Leader-follower: final rows leave through shared memory, copied out by the follower's threads in
     # 16-byte pieces, which meet at a barrier of their own before the next Q overwrites them; the serial
     # consumers store them from registers.
-    staged = "ld.shared.v4.b32" in ptx and "st.global.v4.b32" in ptx and "bar.sync \t5, 128;" in ptx
+    staged = "ld.shared.v4.b32" in ptx and "st.global.v4.b32" in ptx and _out_copied_sync() in ptx
     assert staged == leader_follower
     assert "cp.async.bulk.global.shared" not in ptx
     # The follower prefetches the next request's Q into L2 (one TMA prefetch per 64-column box of Q).
