@@ -98,8 +98,9 @@ def sparse_configs():
     # The other consumer split and hand-over: the crossover corners and the benchmark's schedules,
     # and the serial consumer's whole-tile grid test.
     corners = {(2, 128, True), (1, 128, True), (2, 128, False), (1, 128, False), (2, 256, False), (2, 64, False)}
-    for lf, bulk in ((False, True), (True, False), (False, False)):
-        other = SparseDecodeSchedule(crossover=True, leader_follower=lf, peer_bulk_copy=bulk)
+    for lf, bulk, fp16 in ((False, True, True), (True, False, True), (False, False, True), (True, True, False),
+                           (False, True, False)):
+        other = SparseDecodeSchedule(crossover=True, leader_follower=lf, peer_bulk_copy=bulk, fp16_operands=fp16)
         out += [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink, schedule=other) for s_q, h_q, sink in sorted(corners)]
     serial_whole = SparseDecodeSchedule(crossover=False, leader_follower=False)
     out += [dict(sparse=True, s_q=3, h_q=h_q, attn_sink=sink, schedule=serial_whole)

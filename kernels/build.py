@@ -187,5 +187,6 @@ def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options:
             + f"s_q={s_q} h_q={h_q} sink={bool(has_sink)} topk_length={bool(has_topk_length)} "
             + f"kv_stages={schedule.kv_stages} "
             + f"crossover={schedule.crossover} peer_bulk_copy={schedule.peer_bulk_copy} "
-            + f"leader_follower={schedule.leader_follower} partials_16bit={schedule.partials_16bit}")
+            + f"leader_follower={schedule.leader_follower} partials_16bit={schedule.partials_16bit} "
+            + f"fp16_operands={schedule.fp16_operands}")
     return cached_compile(key, build, describe=what, persistent=not options)

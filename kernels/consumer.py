@@ -40,6 +40,7 @@ BLOCK_M = 64  # query rows per CTA: one WGMMA M
 BLOCK_N = 64  # tokens per KV tile
 HALF_N = BLOCK_N // 2  # tokens of S per consumer warpgroup
 HALF_V = D_V // 2  # output columns per consumer warpgroup
+ROPE_KB = D_V // 16  # S's first k-block (16 features for 16-bit operands) over the RoPE features
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
@@ -110,11 +111,14 @@ def row_exchange(storage):
 
 
 class SplitKVConsumer:
-    """Consumer methods; a kernel class sets ``dtype``, ``kv_stages``, ``causal``, ``group``, ``s_q``."""
+    """Consumer methods; a kernel class sets ``dtype`` (the output's), ``kv_stages``, ``causal``, ``group``,
+    ``s_q``.  The MMA operands' type is the shared-memory tiles' (the sparse kernel's fp16 by default)."""
 
     @cute.jit
-    def consumer_view(self, mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg, tid) -> "ConsumerView":
-        """This thread's MMA operands: its warpgroup's 32 tokens of K and 256 columns of V."""
+    def consumer_view(self, mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg, tid,
+                      rope=None) -> "ConsumerView":
+        """This thread's MMA operands: its warpgroup's 32 tokens of K and 256 columns of V (``rope``: a
+        ``RopeQK`` of shared-memory tiles for S's RoPE k-blocks in another operand type)."""
         mma_qk_first.set(warpgroup.Field.ACCUMULATE, False)
         tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
@@ -124,6 +128,10 @@ class SplitKVConsumer:
         sV_half = cute.local_tile(sV, (HALF_V, BLOCK_N, self.kv_stages), (wg, 0, 0))
         sP_half = cute.local_tile(sP, (BLOCK_M, HALF_N), (0, wg))
         acc_s_shape = thr_qk.partition_shape_C((BLOCK_M, HALF_N))
+        rope_frags = None
+        if cutlass.const_expr(rope is not None):
+            rope.mma.set(warpgroup.Field.ACCUMULATE, True)
+            rope_frags = rope.fragments(tid, cute.local_tile(rope.k, (HALF_N, D_QK, self.kv_stages), (wg, 0, 0)))
         return ConsumerView(
             mma_qk_first=mma_qk_first,
             mma_qk=tiled_mma_qk,
@@ -139,9 +147,10 @@ class SplitKVConsumer:
             acc_s=thr_qk.make_fragment_C(acc_s_shape),
             acc_s_next=thr_qk.make_fragment_C(acc_s_shape),
             acc_o=thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, HALF_V))),
-            rP=cute.make_rmem_tensor_like(thr_qk.make_fragment_C(acc_s_shape), self.dtype),
+            rP=cute.make_rmem_tensor_like(thr_qk.make_fragment_C(acc_s_shape), sP.element_type),
             wg=wg,
             tid=tid,
+            rope=rope_frags,
         )
 
     @cute.jit
@@ -188,8 +197,9 @@ class SplitKVConsumer:
         """
         warpgroup.fence()
         cute.gemm(v.mma_qk_first, acc_s, v.tSrQ[None, None, 0], v.tSrK[None, None, 0, stage], acc_s)
-        for kb in cutlass.range_constexpr(1, cute.size(v.tSrQ, mode=[2])):
+        for kb in cutlass.range_constexpr(1, qk_blocks(v)):
             cute.gemm(v.mma_qk, acc_s, v.tSrQ[None, None, kb], v.tSrK[None, None, kb, stage], acc_s)
+        rope_qk(v, acc_s, stage)
         warpgroup.commit_group()
 
     @cute.jit
@@ -253,7 +263,7 @@ class SplitKVConsumer:
     @cute.jit
     def mma_pv(self, v, bars, stage):
         """P (in ``v.acc_s``) into sP, then O += P V over the stage (waits for the tensor cores)."""
-        v.rP.store(v.acc_s.load().to(self.dtype))
+        v.rP.store(v.acc_s.load().to(v.rP.element_type))
         cute.autovec_copy(v.rP, v.tPsP)
         cute.arch.fence_view_async_shared()
         bars.p_ready.arrive_and_wait()
@@ -271,7 +281,7 @@ class SplitKVConsumer:
         for idx in cutlass.range(tid, n, 128, unroll=1):
             tok = valid + idx // HALF_V
             col = idx % HALF_V
-            sV_half[col, tok, stage] = self.dtype(0.0)
+            sV_half[col, tok, stage] = sV_half.element_type(0.0)
 
     @cute.jit
     def epilogue(self, v, rows, bars, sSum, outs, work, scale_log2, req, tile, splits, max2=None, staged=None):
@@ -577,6 +587,35 @@ class ConsumerView:
     rP: Any
     wg: Any
     tid: Any
+    rope: Any = None  # RopeQK of fragments, or None
+
+
+@dataclasses.dataclass
+class RopeQK:
+    """S's RoPE k-blocks (features D_V to D_QK) in another operand type than the rest of S: the sparse
+    kernel's fp16 MMAs leave the cache's bf16 RoPE values as they are.  ``mma`` accumulates; ``q`` and
+    ``k`` are Q's and K's shared-memory tiles seen in its type, or (in a view) this thread's fragments."""
+
+    mma: Any
+    q: Any
+    k: Any
+
+    def fragments(self, tid, sK) -> "RopeQK":
+        thr = self.mma.get_slice(tid)
+        return RopeQK(self.mma, thr.make_fragment_A(thr.partition_A(self.q)), thr.make_fragment_B(thr.partition_B(sK)))
+
+
+def qk_blocks(v) -> int:
+    """S's k-blocks in the view's main operand type: all, or those before the RoPE features."""
+    return ROPE_KB if v.rope is not None else cute.size(v.tSrQ, mode=[2])
+
+
+@cute.jit
+def rope_qk(v, acc_s, stage):
+    """S's RoPE k-blocks through ``v.rope`` (nothing without one)."""
+    if cutlass.const_expr(v.rope is not None):
+        for kb in cutlass.range_constexpr(ROPE_KB, cute.size(v.tSrQ, mode=[2])):
+            cute.gemm(v.rope.mma, acc_s, v.rope.q[None, None, kb], v.rope.k[None, None, kb, stage], acc_s)
 
 
 @dataclasses.dataclass

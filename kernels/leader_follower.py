@@ -37,7 +37,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import warpgroup
 
-from .consumer import BLOCK_M, BLOCK_N, HALF_V, MAX_SLACK, ConsumerBarriers, SplitKVConsumer, rescale_o
+from .consumer import (BLOCK_M, BLOCK_N, HALF_V, MAX_SLACK, ConsumerBarriers, SplitKVConsumer, qk_blocks, rescale_o,
+                       rope_qk)
 
 
 class LeaderBarrier(enum.IntEnum):
@@ -55,15 +56,19 @@ class LeaderFollowerConsumer(SplitKVConsumer):
     ``causal``, ``group``, ``s_q``."""
 
     @cute.jit
-    def lf_view(self, mmas, sQ, sK, sV, sP, wg: cutlass.Constexpr, tid) -> "LeaderFollowerView":
+    def lf_view(self, mmas, sQ, sK, sV, sP, wg: cutlass.Constexpr, tid, rope=None) -> "LeaderFollowerView":
         """This thread's operands: the leader's (wg 0) S over all 64 tokens and V_L; the follower's
-        (wg 1) P from shared memory and V_R."""
+        (wg 1) P from shared memory and V_R (``rope``: a ``consumer.RopeQK`` of shared-memory tiles for S's
+        RoPE k-blocks in another operand type)."""
         thr_qk = mmas.qk.get_slice(tid)
         thr_pv_rs = mmas.pv_rs.get_slice(tid)
         thr_pv_ss = mmas.pv_ss.get_slice(tid)
         sV_half = cute.local_tile(sV, (HALF_V, BLOCK_N, self.kv_stages), (wg, 0, 0))
         acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, BLOCK_N)))
         rPa = thr_pv_rs.make_fragment_A(thr_pv_rs.partition_shape_A((BLOCK_M, BLOCK_N)))
+        rope_frags = None
+        if cutlass.const_expr(rope is not None):
+            rope_frags = rope.fragments(tid, rope.k)
         return LeaderFollowerView(
             mmas=mmas,
             tSrQ=thr_qk.make_fragment_A(thr_qk.partition_A(sQ)),
@@ -82,6 +87,7 @@ class LeaderFollowerConsumer(SplitKVConsumer):
             rPc=cute.make_tensor(rPa.iterator, acc_s.layout),
             wg=wg,
             tid=tid,
+            rope=rope_frags,
         )
 
     @cute.jit
@@ -117,8 +123,9 @@ class LeaderFollowerConsumer(SplitKVConsumer):
     def leader_qk_stage(self, v, stage):
         warpgroup.fence()
         cute.gemm(v.mmas.qk_first, v.acc_s, v.tSrQ[None, None, 0], v.tSrK[None, None, 0, stage], v.acc_s)
-        for kb in cutlass.range_constexpr(1, cute.size(v.tSrQ, mode=[2])):
+        for kb in cutlass.range_constexpr(1, qk_blocks(v)):
             cute.gemm(v.mmas.qk, v.acc_s, v.tSrQ[None, None, kb], v.tSrK[None, None, kb, stage], v.acc_s)
+        rope_qk(v, v.acc_s, stage)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 
@@ -141,7 +148,7 @@ class LeaderFollowerConsumer(SplitKVConsumer):
             self.update_max(rows, i, cute.arch.warp_reduction_max(cur[i], threads_in_group=4), scale_log2, alpha, base,
                             slack=MAX_SLACK)
         self.exp_scores(v.acc_s, rows, base, scale_log2)
-        v.rPc.store(v.acc_s.load().to(self.dtype))
+        v.rPc.store(v.acc_s.load().to(v.rPc.element_type))
         rescale_o(v.acc_o, alpha)
         return alpha
 
@@ -202,6 +209,7 @@ class LeaderFollowerView:
     rPc: Any
     wg: Any
     tid: Any
+    rope: Any = None  # consumer.RopeQK of fragments, or None
 
 
 @dataclasses.dataclass

@@ -11,15 +11,16 @@ Warpgroup roles (384 threads):
            128-byte segment of its rows (coalesced 128-byte reads, 6 per row: 4 latent, the
            scales, 1 RoPE), rows ``16 k + t / 8`` (with the bulk hand-over ``32 rank + 8 (t / 32)
            + (t % 32) / 8`` and 4 further: a warp's rows consecutive), dequantizes fp8 x scale to
-           bf16 (the scale rounded to bf16, as FlashMLA does) and stores the row into the
-           swizzled K tile.  An invalid token (index -1 or outside the cache, or past
-           ``topk_length``) is not read: its row is written as zeros and its score bias is
-           -inf.  With the leader-follower consumers a thread loads all its rows of a tile
-           before converting the first (4, or 2 with the crossover: 1.06-1.08x over 2 at a time
-           for the whole-tile gather); with the serial ones, 2 at a time (4 do not fit their
-           producer's 120 registers; one at a time was slower).  The next tile's indices are
-           loaded while this tile is gathered, in the order of the part's tiles across its
-           requests, so a request's first tile finds its indices loaded and its rows in L2.
+           the operand type (``schedule.fp16_operands``: fp16 by default, the scale rounded to it; bf16
+           as FlashMLA does), keeps the RoPE values bf16, and stores the row into the swizzled K
+           tile.  An invalid token (index -1 or outside the cache, or past ``topk_length``) is not
+           read: its row is written as zeros and its score bias is -inf.  With the leader-follower
+           consumers a thread loads all its rows of a tile before converting the first (4, or 2
+           with the crossover: 1.06-1.08x over 2 at a time for the whole-tile gather); with the serial
+           ones, 2 at a time (4 do not fit their producer's 120 registers; one at a time was slower).
+           The next tile's indices are loaded while this tile is gathered, in the order of the part's
+           tiles across its requests, so a request's first tile finds its indices loaded and its rows
+           in L2.
   WG1, WG2 consumers, QK^T, softmax with the bias mask, PV, epilogue with the attention sink,
            split one of two ways (``schedule.leader_follower``):
            leader-follower (default, ``leader_follower.py``): WG1 computes S over the whole tile,
@@ -32,12 +33,14 @@ Warpgroup roles (384 threads):
   half of O, S and P; the follower half of O), serial 120 / 192 / 192 (104 / 200 / 200 with the
   crossover's bulk hand-over).
 
-Shared-memory plan (bytes):
-  sQ     64 x 576 bf16                    73 728  (leader-follower: after a request's last S, its
-                                                   final rows or 16-bit partial, 64 x 520 bf16, which
-                                                   the follower's threads copy out)
-  sKV    kv_stages x 64 x 576 bf16        73 728 each (V is the first 512 columns of K)
-  sP     64 x 64 bf16                      8 192
+Shared-memory plan (bytes; "op" is the operand type, fp16 or bf16, and the RoPE columns are bf16 in both):
+  sQ     64 x 576 op                      73 728  (the TMA writes bf16; with fp16 operands Q's readers
+                                                   convert it in place, ``QConversion``; leader-follower:
+                                                   after a request's last S, its final rows or 16-bit
+                                                   partial, 64 x 520 bf16, which the follower's threads
+                                                   copy out)
+  sKV    kv_stages x 64 x 576 op          73 728 each (V is the first 512 columns of K)
+  sP     64 x 64 op                        8 192
   sMax, sSum  [2][64] fp32                 1 024  (leader-follower: sMax holds the leader's
                                                    factor and running max per row)
   sBias  kv_stages x 64 fp32 (0 or -inf)     256 each
@@ -58,7 +61,8 @@ the barrier setup and before exit (the consumers arrive before their last epilog
 
 Named barriers (consumers only; the producer syncs on mbarriers): ``leader_follower.LeaderBarrier``
 (``OUT_STAGED``: both halves of the final rows are in sQ; ``OUT_COPIED``: the follower has copied
-them out) or ``consumer.BarrierId``.
+them out) or ``consumer.BarrierId``; and ``Q_CONVERTED`` (the leader's 128 threads, or both serial
+consumers: Q is in the operand type).
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ from .consumer import (
     D_V,
     HALF_N,
     OutputTile,
+    RopeQK,
     SplitOutputs,
     StagedRows,
     WorkSlice,
@@ -109,11 +114,18 @@ LANES_PER_ROW = 8  # threads sharing one row: 8 x 16 B = one 128-byte segment pe
 ROWS_PER_ROUND = 128 // LANES_PER_ROW  # 16 rows per pass of the producer warpgroup
 ROUNDS = BLOCK_N // ROWS_PER_ROUND  # 4 rows per thread per tile (2 with the crossover)
 LATENT_PIECES = D_V // (PIECE * LANES_PER_ROW)  # 4 latent pieces per thread per row (one per scale tile)
-# Crossover: bytes the peer CTA stores into this CTA's stage per tile (its 32 rows of bf16 K, and their bias).
+# Crossover: bytes the peer CTA stores into this CTA's stage per tile (its 32 rows of 16-bit K, and their bias).
 PEER_TX_BYTES = (BLOCK_N // 2) * (D_QK * 2 + 4)
 STAGE_ELEMS = BLOCK_N * D_QK  # one K stage
 LATENT_STEP = 2 * BLOCK_N * SUB_COLS  # from a thread's latent piece to its next: 128 columns, two column blocks
 NEG_INF_BITS = -8388608  # 0xFF800000, -inf as fp32 bits
+# Q enters the fp16 MMAs times 2^-4 (the softmax scale times 2^4 undoes it): every bf16 value of magnitude
+# from 2^-13 to below 2^20 converts exactly (smaller ones are rounded to multiples of 2^-20).  2^-8 would
+# reach 2^24 but round values below 2^-9, which measurably moved the outputs of small q against large K.
+Q_PRESCALE = 2.0**-4
+Q_CHUNKS = BLOCK_M * D_QK * 2 // 16  # Q's bytes in 16-byte chunks
+Q_ROPE_CHUNK = BLOCK_M * D_V * 2 // 16  # the first chunk of Q's RoPE block (64-column blocks are contiguous)
+Q_CONVERTED = 6  # named barrier: Q's readers converted it (a free id next to LeaderBarrier and BarrierId)
 
 
 class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
@@ -133,7 +145,11 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
 
     def __init__(self, h_q: int, s_q: int, has_sink: bool, schedule: SparseDecodeSchedule):
         schedule.validate()
-        self.dtype = cutlass.BFloat16
+        self.dtype = cutlass.BFloat16  # q, the cache's RoPE values and the output
+        # The MMAs' operands (Q, K = V, P): fp16 by default (``schedule.fp16_operands``, its ranges), so Q's
+        # readers convert it in place; S's RoPE k-blocks stay bf16 either way (``RopeQK``).
+        self.operand_dtype = cutlass.Float16 if schedule.fp16_operands else cutlass.BFloat16
+        self.convert_q = self.operand_dtype != self.dtype
         self.h_q = h_q
         self.s_q = s_q
         self.has_sink = has_sink
@@ -183,8 +199,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     ):
         # (h_q, 576, s_q, b): feature-contiguous, as TMA wants; heads past h_q read as zeros.
         q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 3, 1, 0]))
-        mma_qk_first, tiled_mma_qk, tiled_mma_pv = make_consumer_mmas(self.dtype)
-        sQ_layout, sK_layout, sV_layout, sP_layout = make_smem_layouts(self.dtype, self.kv_stages)
+        mma_qk_first, tiled_mma_qk, tiled_mma_pv = make_consumer_mmas(self.operand_dtype)
+        sQ_layout, sK_layout, sV_layout, sP_layout = make_smem_layouts(self.operand_dtype, self.kv_stages)
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), q, sQ_layout, (BLOCK_M, D_QK)
         )
@@ -197,9 +213,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             row_max: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             row_sum: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             bias: cute.struct.MemRange[cutlass.Float32, self.kv_stages * BLOCK_N]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sP_layout)], 1024]
 
         self.shared_storage = SharedStorage
 
@@ -276,18 +292,36 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
 
         topk = mIndices.shape[2]
 
-        q_load = QLoad.make(tma_atom_q, tma_q, sQ, q_pipe, head_tile, s_idx)
+        # The TMA writes Q as bf16; with fp16 operands its readers convert it in place (``QConversion``), and
+        # the softmax scale takes back Q_PRESCALE.
+        sQ_in = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), sQ_layout.inner, dtype=self.dtype),
+                                 sQ_layout.outer)
+        q_load = QLoad.make(tma_atom_q, tma_q, sQ_in, q_pipe, head_tile, s_idx)
+        # The cache's RoPE values stay bf16 in the K stages: S's RoPE k-blocks read them as such (``RopeQK``).
+        sK_in = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), sK_layout.inner, dtype=self.dtype),
+                                 sK_layout.outer)
+        if cutlass.const_expr(self.convert_q):
+            scale_log2 = scale_log2 * (1.0 / Q_PRESCALE)
+        q_words = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=cutlass.Int32),
+                                   cute.make_layout((Q_CHUNKS * WORDS,)))
+        # S's RoPE k-blocks (bf16) beside fp16 operands: made outside the role branches, like the MMAs below.
+        rope = None
+        if cutlass.const_expr(self.convert_q):
+            if cutlass.const_expr(self.leader_follower):
+                rope = RopeQK(make_seesaw_mmas(self.dtype).qk, sQ_in, sK_in)
+            else:
+                rope = RopeQK(make_consumer_mmas(self.dtype)[1], sQ_in, sK_in)
         if cutlass.const_expr(self.leader_follower):
             # Made once, outside the role branches: both consumers' views use them.  Each role gets
             # its own record of the outputs: a branch may rebind the fields of what it is passed.
-            lf_mmas = make_seesaw_mmas(self.dtype)
+            lf_mmas = make_seesaw_mmas(self.operand_dtype)
             outs_lead, outs_follow = dataclasses.replace(outs), dataclasses.replace(outs)
             # Final rows leave through Q's bytes: Q is dead after a request's last S.  The follower's
             # threads copy them out (it has registers to spare; 64 bulk copies a request queued behind
             # the producer's hand-over copies in the TMA unit: 1.6-7% slower) and then its first warp
             # loads the next request's Q.
             staged = StagedRows(
-                rows=cute.make_tensor(storage.sQ.data_ptr(), staged_rows_layout()),
+                rows=cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=self.dtype), staged_rows_layout()),
                 written=pipeline.NamedBarrier(barrier_id=int(LeaderBarrier.OUT_STAGED), num_threads=256),
                 issuer=1,
                 copied=pipeline.NamedBarrier(barrier_id=int(LeaderBarrier.OUT_COPIED), num_threads=128),
@@ -308,9 +342,10 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 if wg_idx == 1:
                     set_registers(self.regs[1], self.launch_regs)
                     work = WorkSlice.of(mSched, part)
-                    view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 0, tidx % 128)
-                    self.lead(view, sScale, sSum, sBias, q_load.full, staged, kv_pipe, mTopkLen, topk, outs_lead,
-                              scale_log2, s_idx, head_tile, work, rank)
+                    view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 0, tidx % 128, rope)
+                    q_conv = QConversion(q_words, pipeline.NamedBarrier(barrier_id=Q_CONVERTED, num_threads=128))
+                    self.lead(view, sScale, sSum, sBias, q_load.full, q_conv, staged, kv_pipe, mTopkLen, topk,
+                              outs_lead, scale_log2, s_idx, head_tile, work, rank)
                 else:
                     set_registers(self.regs[2], self.launch_regs)
                     work = WorkSlice.of(mSched, part)
@@ -324,11 +359,13 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 else:
                     set_registers(self.regs[2], self.launch_regs)
                 work = WorkSlice.of(mSched, part)
-                view = self.consumer_view(mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg_idx - 1, tidx % 128)
+                view = self.consumer_view(mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg_idx - 1,
+                                          tidx % 128, rope)
+                q_conv = QConversion(q_words, pipeline.NamedBarrier(barrier_id=Q_CONVERTED, num_threads=256))
                 self.consume(
                     view,
                     *row_exchange(storage),
-                    sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work, rank,
+                    sBias, q_pipe, q_conv, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work, rank,
                 )
         if cutlass.const_expr(self.crossover):
             # Neither CTA may exit while the peer can still store or arrive into its shared memory.
@@ -502,14 +539,14 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     @cute.jit
     def store_latent(self, gather, k, m, tok, stage, lane, stores, full_bar):
         """Dequantize latent piece ``m`` of this thread's share of a row into the K tile (zeros for an invalid
-        token); with the st.async hand-over also into the peer's tile.  The scale is rounded to bf16 and
-        multiplied in bf16, as FlashMLA does: exact for the quantizer's power-of-two scales, and one
-        multiply per two values."""
+        token); with the st.async hand-over also into the peer's tile.  The scale is rounded to the operand type
+        and multiplied in it (bf16: as FlashMLA does): exact for the quantizer's power-of-two scales (in fp16
+        within the range ``schedule.fp16_operands`` states), and one multiply per two values."""
         raw = gather.raw
         scale = cute.recast_tensor(raw[None, LATENT_PIECES, k], cutlass.Float32)[m]
         fp8 = cute.recast_tensor(raw[None, m, k], cutlass.Float8E4M3FN)
-        piece = cute.make_rmem_tensor((PIECE,), self.dtype)
-        piece.store(fp8.load().to(self.dtype) * scale.to(self.dtype))
+        piece = cute.make_rmem_tensor((PIECE,), self.operand_dtype)
+        piece.store(fp8.load().to(self.operand_dtype) * scale.to(self.operand_dtype))
         words = cute.recast_tensor(piece, cutlass.Int32)
         for h in cutlass.range_constexpr(2):
             # The swizzled offset of the thread's first piece: the others are whole blocks further.
@@ -520,7 +557,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
 
     @cute.jit
     def store_rope(self, gather, k, sBias, tok, stage, lane, stores, full_bar):
-        """This thread's RoPE piece of a row, and (lane 0) the row's bias: 0, or -inf for an invalid token."""
+        """This thread's RoPE piece of a row (bf16 as the cache holds it, whatever the latent's operand type), and
+        (lane 0) the row's bias: 0, or -inf for an invalid token."""
         rope = gather.raw[None, LATENT_PIECES + 1, k]
         off = stores.offset(tok, D_V + (PIECE // 2) * lane)
         stores.store_local(off, stage, rope, 0)
@@ -538,8 +576,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, v, sMax, sSum, sBias, q_pipe, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work,
-                rank):
+    def consume(self, v, sMax, sSum, sBias, q_pipe, q_conv, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx,
+                head_tile, work, rank):
         rows, q_state, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
         bars = self.consumer_barriers()
         lens = topk_lengths_ahead(mTopkLen, work)
@@ -548,6 +586,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             splits = load_splits(outs, req)
             self.start_rows(v, rows)
             q_pipe.consumer_wait(q_state)
+            if cutlass.const_expr(self.convert_q):
+                q_conv.run(v.wg * 128 + v.tid, 256)
             for blk in cutlass.range(first, last, unroll=1):
                 self.wait_stage(kv_pipe, kv_state)
                 self.mma_qk(v, v.acc_s, kv_state.index)
@@ -563,7 +603,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         self.exit_arrive_if_idle(work)
 
     @cute.jit
-    def lead(self, v, sScale, sSum, sBias, q_full, staged, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx,
+    def lead(self, v, sScale, sSum, sBias, q_full, q_conv, staged, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx,
              head_tile, work, rank):
         """The leader (``leader_follower.py``): S, softmax and O_L of every tile, P for the follower; the
         only reader of Q, which arrives on ``q_full`` once a request (``follow`` loads it)."""
@@ -581,6 +621,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             self.start_rows(v, rows)
             cute.arch.mbarrier_wait(q_full, q_phase[0])
             q_phase[0] = q_phase[0] ^ 1
+            if cutlass.const_expr(self.convert_q):
+                q_conv.run(v.tid, 128)
             for blk in cutlass.range(first, last, unroll=1):
                 self.wait_stage(kv_pipe, kv_state)
                 self.leader_qk(v, kv_state.index)
@@ -697,6 +739,36 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
 
 
 @dataclasses.dataclass
+class QConversion:
+    """Q's bytes, which the TMA fills with bf16, turned in place into the MMAs' operands times ``Q_PRESCALE``
+    (the latent block fp16, the RoPE block bf16) by the threads that read Q (the leader, or both serial
+    consumers) before their first S of a request."""
+
+    words: Any  # Q's bytes as int32, flat: the conversion is element-wise, so the swizzle does not matter
+    done: Any  # named barrier over the converting threads
+
+    @cute.jit
+    def run(self, tid, threads: cutlass.Constexpr):
+        # The latent block into fp16; the RoPE block stays bf16 (S's RoPE k-blocks are bf16 MMAs), scaled alike.
+        for i in cutlass.range(Q_ROPE_CHUNK // threads, unroll=4):
+            self.convert(tid + threads * i, cutlass.Float16)
+        for i in cutlass.range((Q_CHUNKS - Q_ROPE_CHUNK) // threads, unroll=4):
+            self.convert(Q_ROPE_CHUNK + tid + threads * i, cutlass.BFloat16)
+        cute.arch.fence_view_async_shared()  # the WGMMAs read Q through the async proxy
+        self.done.arrive_and_wait()
+
+    @cute.jit
+    def convert(self, c, dtype: cutlass.Constexpr):
+        chunk = cute.local_tile(self.words, (WORDS,), (c,))
+        raw = cute.make_rmem_tensor((WORDS,), cutlass.Int32)
+        cute.autovec_copy(chunk, raw)
+        vals = cute.recast_tensor(raw, cutlass.BFloat16).load().to(cutlass.Float32) * Q_PRESCALE
+        out = cute.make_rmem_tensor((2 * WORDS,), dtype)
+        out.store(vals.to(dtype))
+        cute.autovec_copy(cute.recast_tensor(out, cutlass.Int32), chunk)
+
+
+@dataclasses.dataclass
 class QLoad:
     """The TMA load of a request's Q tile (64 heads x 576 of token ``s_idx``), completing on ``full``."""
 
@@ -767,7 +839,7 @@ class StageStores:
     stage and column block: a thread computes them once per row, not once per store."""
 
     sK_layout: Any  # the swizzled K layout (the swizzle is applied here, on byte offsets)
-    k_base: Any  # bf16 pointer to this CTA's K stages
+    k_base: Any  # fp16 pointer to this CTA's K stages
     bias_base: Any  # fp32 pointer to this CTA's bias
     rank: Any  # this CTA's rank in the cluster (the peer is 1 - rank)
 
@@ -779,7 +851,7 @@ class StageStores:
 
     @cute.jit
     def store_local(self, off, stage, words, w0):
-        """words[w0 : w0 + 4] (8 bf16) at element ``off`` of this CTA's stage."""
+        """words[w0 : w0 + 4] (8 16-bit values) at element ``off`` of this CTA's stage."""
         dst = cute.make_tensor(
             cute.recast_ptr(self.k_base + cute.assume(off + stage * STAGE_ELEMS, divby=8), dtype=cutlass.Int32),
             cute.make_layout((WORDS,)),

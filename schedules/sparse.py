@@ -70,6 +70,16 @@ class SparseDecodeSchedule:
         at most 0.7 us; b = 4, s_q = 1 22.3-22.4 against 23.6-23.9; b = 1, h_q = 64, topk 8192 19.8-20.3 against
         20.6-20.8; b = 1, s_q = 2 (2 tiles a part; then 1) 20.0 against 19.8.  0: never.
     small_plan_fixed_cost: the planner's fixed cost per request piece for small plans (``small_plan_tiles``).
+    fp16_operands: the MMAs' operands (Q, the dequantized K = V, P) in fp16 instead of bf16, accumulating in fp32
+        either way.  An fp8 pair becomes an fp16 pair in one conversion and takes its scale in one multiply;
+        reaching bf16 takes three instructions more a pair, and the producer's dequantization is what limits the
+        rate.  Q is converted in place once a request, times 2^-4 (undone in the softmax scale); S's RoPE k-blocks
+        stay bf16.  With the quantizer's power-of-two scales K then holds exactly the bf16 dequantization's values
+        while the scale lies in [2^-15, 2^7] (a 128-value block's amax from about 0.007 to 57344; smaller values are
+        rounded to 2^-25 or finer, larger ones overflow), and Q's latent part converts exactly from 2^-13 to below
+        2^20 in magnitude (smaller values rounded to multiples of 2^-20).  Measured on the H200
+        (docs/performance.md, S49): b = 128, h_q = 64 (the whole-tile gather, 4 rows a thread) 7% faster, the
+        crossover's rows 0-1.4%, b = 2 the same.  False: bf16 operands, FlashMLA's arithmetic.
     combine_pdl: as for dense decode, the combine launched with Programmatic Dependent Launch.  Measured on
         the H200 (docs/performance.md, entry 33, sparse S38): the b = 2 row 23.7-24.0 us against 25.0-25.3, b = 1,
         h_q = 64, topk 8192 about 1 us faster, b = 74 and 128 within noise.  False: a plain launch.
@@ -87,13 +97,14 @@ class SparseDecodeSchedule:
     combine_spread_partials: int = 48
     partials_16bit: Optional[bool] = None
     combine_pdl: bool = True
+    fp16_operands: bool = True
     small_plan_tiles: int = 4
     small_plan_fixed_cost: int = 1
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
         return (self.kv_stages, self.crossover, self.peer_bulk_copy, self.leader_follower, self.combine_chunked_batch,
-                self.combine_spread_partials, self.partials_16bit, self.combine_pdl)
+                self.combine_spread_partials, self.partials_16bit, self.combine_pdl, self.fp16_operands)
 
     def smem_bytes(self) -> int:
         """The kernel's shared storage: mbarriers, row max/sum, bias, then the 1 KiB-aligned tiles."""
@@ -132,6 +143,7 @@ class SparseDecodeSchedule:
         check_bool("crossover", self.crossover)
         check_bool("peer_bulk_copy", self.peer_bulk_copy)
         check_bool("leader_follower", self.leader_follower)
+        check_bool("fp16_operands", self.fp16_operands)
         if self.partials_16bit is not None:
             check_bool("partials_16bit", self.partials_16bit)
         if self.partials_16bit and not self.leader_follower:

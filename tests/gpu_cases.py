@@ -107,13 +107,14 @@ def magnitude_abs_tol(ref_out, base: float) -> float:
 
 
 def make_sparse_case(b, s_q, h_q, s_k, topk, page, *, invalid_frac=0.1, out_of_range=False, topk_length=None,
-                     attn_sink=None, seed=0, growing=False, device="cuda"):
+                     attn_sink=None, seed=0, growing=False, kv_scale=1.0, q_scale=1.0, device="cuda"):
     """A sparse FP8 decode case as FlashMLA's tests build it: each request owns ceil(s_k / page) randomly
     placed blocks of a 656-byte FP8 cache; each query picks topk of its request's s_k tokens (distinct
     while topk <= s_k, -1 beyond that), a fraction set to -1; ``out_of_range`` replaces another
     fraction with values outside the cache (never read).  ``growing``: cache row r scaled by
     2^(10 r / rows), q by 10, and each query's indices in ascending order, so its scores grow along
-    the topk order by hundreds in log2 units."""
+    the topk order by hundreds in log2 units.  ``kv_scale`` / ``q_scale`` multiply the cache before its
+    quantization and q (to reach the ends of a kernel's exact ranges)."""
     from mla_cute.fp8 import quantize_kv_cache
 
     gen = torch.Generator().manual_seed(seed)
@@ -122,7 +123,7 @@ def make_sparse_case(b, s_q, h_q, s_k, topk, page, *, invalid_frac=0.1, out_of_r
     cache16 = (torch.randn(nb, page, 1, 576, generator=gen) * 0.1).clamp(-1, 1)
     if growing:
         cache16 = cache16 * torch.pow(2.0, torch.linspace(0, 10, nb * page)).view(nb, page, 1, 1)
-    cache16 = cache16.to(torch.bfloat16)
+    cache16 = (cache16 * kv_scale).to(torch.bfloat16)
     k_cache = quantize_kv_cache(cache16)
     perm = torch.randperm(nb, generator=gen)[: b * blocks_per_req].view(b, blocks_per_req)
     idx = torch.full((b, s_q, topk), -1, dtype=torch.int64)
@@ -139,6 +140,7 @@ def make_sparse_case(b, s_q, h_q, s_k, topk, page, *, invalid_frac=0.1, out_of_r
         low = torch.randint(-(2**31), -1, idx.shape, generator=gen)
         idx[bad] = torch.where(torch.rand(idx.shape, generator=gen) < 0.5, high, low)[bad]
     q = (torch.randn(b, s_q, h_q, 576, generator=gen) * 0.1).clamp(-1, 1)
+    q = q * q_scale
     if growing:
         q = q * 10
         idx = idx.sort(dim=-1).values

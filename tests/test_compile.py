@@ -299,6 +299,35 @@ def test_sparse_crossover_hands_the_peer_its_rows(leader_follower, bulk, capfd):
     _check_register_split(ptx, regs)
 
 
+@pytest.mark.parametrize("leader_follower", [True, False])
+@pytest.mark.parametrize("crossover", [True, False])
+def test_sparse_operand_types(leader_follower, crossover, capfd):
+    """fp16 operands (the default): one conversion and one multiply an fp8 pair, fp16 MMAs for S's latent
+    k-blocks and P V, bf16 MMAs for S's RoPE k-blocks; Q's readers convert it behind a barrier of their own.
+    ``fp16_operands=False``: bf16 throughout and no conversion of Q."""
+    from mla_cute.kernels.build import compile_sparse_decode
+    from mla_cute.kernels.sparse_decode_fp8 import Q_CONVERTED
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    for fp16 in (True, False):
+        sched = SparseDecodeSchedule(crossover=crossover, leader_follower=leader_follower, fp16_operands=fp16)
+        # s_q = 3: kernels no other test here builds, so ptxas reports on each (a cached kernel reports nothing).
+        ptx = compile_sparse_decode(3, 128, False, sched, options=OPTIONS).__ptx__
+        f16 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16", ptx))
+        bf16 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx))
+        converted = re.search(rf"bar\.sync\s+{Q_CONVERTED}, {128 if leader_follower else 256};", ptx) is not None
+        if fp16:
+            assert f16 > 0 and bf16 > 0 and f16 > 4 * bf16, (f16, bf16)
+            assert "cvt.rn.f16x2.e4m3x2" in ptx and "mul.f16x2" in ptx and converted
+        else:
+            assert f16 == 0 and bf16 > 0 and not converted
+            assert "mul.bf16x2" in ptx
+        err = capfd.readouterr().err
+        _assert_wgmma_not_serialized(err)
+        spills, regs = _ptxas_report(err)
+        assert spills and all(s == (0, 0, 0) for s in spills), f"stack frame / spills: {spills}"
+
+
 def test_sparse_decode_without_topk_length_loads_no_lengths():
     """Without topk_length every request attends to topk tokens: the kernel built for such calls takes
     None for the lengths, so the loads of a request's length (each role's, a request ahead) are gone."""

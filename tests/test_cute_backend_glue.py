@@ -327,6 +327,8 @@ def test_sparse_schedule_rules():
         SparseDecodeSchedule(leader_follower="yes").validate()
     with pytest.raises(ValueError, match="peer_bulk_copy must be a bool"):
         SparseDecodeSchedule(peer_bulk_copy=0).validate()
+    with pytest.raises(ValueError, match="fp16_operands must be a bool"):
+        SparseDecodeSchedule(fp16_operands=1).validate()
     with pytest.raises(ValueError, match="shared memory"):
         SparseDecodeSchedule(kv_stages=3).validate()
     with pytest.raises(TypeError, match="SparseDecodeSchedule"):
@@ -511,6 +513,8 @@ def test_sparse_consumer_split_is_a_schedule_field():
     assert DEFAULT_SPARSE_SCHEDULE.kernel_key() != SERIAL_SPARSE_SCHEDULE.kernel_key()
     assert DEFAULT_SPARSE_SCHEDULE.peer_bulk_copy
     assert SparseDecodeSchedule(peer_bulk_copy=False).kernel_key() != DEFAULT_SPARSE_SCHEDULE.kernel_key()
+    assert DEFAULT_SPARSE_SCHEDULE.fp16_operands
+    assert SparseDecodeSchedule(fp16_operands=False).kernel_key() != DEFAULT_SPARSE_SCHEDULE.kernel_key()
     SparseDecodeSchedule(crossover=False, leader_follower=False).validate()
 
 

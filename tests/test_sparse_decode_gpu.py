@@ -171,15 +171,17 @@ def test_crossover_grid(b, s_q, h_q, s_k, topk, page):
                   schedule=_crossover())
 
 
-@pytest.mark.parametrize("consumer,handover", [("leader_follower", "bulk"), ("serial", "bulk"),
-                                                ("leader_follower", "st_async"), ("serial", "st_async")])
-def test_crossover_corners(consumer, handover):
+@pytest.mark.parametrize("consumer,handover,operands", [
+    ("leader_follower", "bulk", "fp16"), ("serial", "bulk", "fp16"), ("leader_follower", "st_async", "fp16"),
+    ("serial", "st_async", "fp16"), ("leader_follower", "bulk", "bf16"), ("serial", "bulk", "bf16")])
+def test_crossover_corners(consumer, handover, operands):
     """Sinks and topk_length (split and unsplit), out-of-range indices, all invalid, h_q = 256; with
-    each consumer split and each hand-over to the peer (leader-follower and bulk are the default)."""
+    each consumer split, each hand-over to the peer and each operand type (leader-follower, bulk and
+    fp16 are the default)."""
     from mla_cute.schedules import SparseDecodeSchedule
 
     schedule = SparseDecodeSchedule(crossover=True, leader_follower=consumer == "leader_follower",
-                                    peer_bulk_copy=handover == "bulk")
+                                    peer_bulk_copy=handover == "bulk", fp16_operands=operands == "fp16")
     sink = torch.randn(128) * 2
     sink[0], sink[1] = float("inf"), float("-inf")
     run_and_check(make_sparse_case(8, 2, 128, 4096, 2048, 64, topk_length=[0, 1, 63, 64, 65, 1000, 2048, 5000],
@@ -189,6 +191,16 @@ def test_crossover_corners(consumer, handover):
     out, lse = run_and_check(make_sparse_case(4, 2, 128, 512, 128, 64, invalid_frac=1.0), schedule=schedule)
     assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
     run_and_check(make_sparse_case(6, 2, 256, 1000, 512, 64, seed=256), schedule=schedule)
+
+
+@pytest.mark.parametrize("crossover", [False, True])
+@pytest.mark.parametrize("kv_scale,q_scale", [(0.03, 1e4), (1e5, 1e-2)])
+def test_fp16_operand_range_ends(crossover, kv_scale, q_scale):
+    """The fp16 operands (the default) at the ends of their exact range: 128-value blocks whose amax makes
+    the scale about 2^-15 with |q| near 10^3, and about 2^7 with |q| near 10^-3 (the scores stay moderate;
+    outputs in the thousands take the magnitude tolerance)."""
+    run_and_check(make_sparse_case(4, 3, 128, 4096, 2048, 64, kv_scale=kv_scale, q_scale=q_scale, seed=77),
+                  schedule=_crossover() if crossover else None, magnitude_tol=kv_scale > 1)
 
 
 # The serial consumer (both warpgroups compute S) on the whole-tile gather: part of the grid
