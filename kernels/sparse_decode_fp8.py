@@ -839,7 +839,7 @@ class StageStores:
     stage and column block: a thread computes them once per row, not once per store."""
 
     sK_layout: Any  # the swizzled K layout (the swizzle is applied here, on byte offsets)
-    k_base: Any  # fp16 pointer to this CTA's K stages
+    k_base: Any  # pointer to this CTA's K stages, in the operand type
     bias_base: Any  # fp32 pointer to this CTA's bias
     rank: Any  # this CTA's rank in the cluster (the peer is 1 - rank)
 
