@@ -40,7 +40,8 @@ BLOCK_M = 64  # query rows per CTA: one WGMMA M
 BLOCK_N = 64  # tokens per KV tile
 HALF_N = BLOCK_N // 2  # tokens of S per consumer warpgroup
 HALF_V = D_V // 2  # output columns per consumer warpgroup
-ROPE_KB = D_V // 16  # S's first k-block (16 features for 16-bit operands) over the RoPE features
+MMA_K = 16  # features per WGMMA k-block (16-bit operands)
+ROPE_KB = D_V // MMA_K  # S's first k-block over the RoPE features
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 

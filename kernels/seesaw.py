@@ -36,6 +36,7 @@ from .consumer import (
     D_QK,
     HALF_V,
     MAX_SLACK,
+    MMA_K,
     ConsumerBarriers,
     LengthMask,
     SplitKVConsumer,
@@ -45,7 +46,7 @@ from .consumer import (
 SUB = 64  # features per K sub-tile (one 128-byte swizzle atom wide)
 NUM_SUB = D_QK // SUB  # 9 sub-tiles per tile; sub-tile 8 is the RoPE part
 ROPE_SUB = NUM_SUB - 1
-KB_PER_SUB = SUB // 16  # WGMMA k-blocks per sub-tile
+KB_PER_SUB = SUB // MMA_K  # WGMMA k-blocks per sub-tile
 
 
 class SeesawBarrier(enum.IntEnum):

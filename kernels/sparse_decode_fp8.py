@@ -123,8 +123,8 @@ NEG_INF_BITS = -8388608  # 0xFF800000, -inf as fp32 bits
 # from 2^-13 to below 2^20 converts exactly (smaller ones are rounded to multiples of 2^-20).  2^-8 would
 # reach 2^24 but round values below 2^-9, which measurably moved the outputs of small q against large K.
 Q_PRESCALE = 2.0**-4
-Q_CHUNKS = BLOCK_M * D_QK * 2 // 16  # Q's bytes in 16-byte chunks
-Q_ROPE_CHUNK = BLOCK_M * D_V * 2 // 16  # the first chunk of Q's RoPE block (64-column blocks are contiguous)
+Q_CHUNKS = BLOCK_M * D_QK * 2 // PIECE  # Q's bytes in 16-byte chunks
+Q_ROPE_CHUNK = BLOCK_M * D_V * 2 // PIECE  # the first chunk of Q's RoPE block (64-column blocks are contiguous)
 Q_CONVERTED = 6  # named barrier: Q's readers converted it (a free id next to LeaderBarrier and BarrierId)
 
 
@@ -587,7 +587,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             self.start_rows(v, rows)
             q_pipe.consumer_wait(q_state)
             if cutlass.const_expr(self.convert_q):
-                q_conv.run(v.wg * 128 + v.tid, 256)
+                q_conv.run(v.wg * 128 + v.tid)
             for blk in cutlass.range(first, last, unroll=1):
                 self.wait_stage(kv_pipe, kv_state)
                 self.mma_qk(v, v.acc_s, kv_state.index)
@@ -622,7 +622,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             cute.arch.mbarrier_wait(q_full, q_phase[0])
             q_phase[0] = q_phase[0] ^ 1
             if cutlass.const_expr(self.convert_q):
-                q_conv.run(v.tid, 128)
+                q_conv.run(v.tid)
             for blk in cutlass.range(first, last, unroll=1):
                 self.wait_stage(kv_pipe, kv_state)
                 self.leader_qk(v, kv_state.index)
@@ -745,10 +745,12 @@ class QConversion:
     consumers) before their first S of a request."""
 
     words: Any  # Q's bytes as int32, flat: the conversion is element-wise, so the swizzle does not matter
-    done: Any  # named barrier over the converting threads
+    done: Any  # named barrier over the converting threads (its thread count splits the chunks)
 
     @cute.jit
-    def run(self, tid, threads: cutlass.Constexpr):
+    def run(self, tid):
+        """``tid``: the thread's index among ``done``'s threads."""
+        threads = self.done.num_threads
         # The latent block into fp16; the RoPE block stays bf16 (S's RoPE k-blocks are bf16 MMAs), scaled alike.
         for i in cutlass.range(Q_ROPE_CHUNK // threads, unroll=4):
             self.convert(tid + threads * i, cutlass.Float16)
