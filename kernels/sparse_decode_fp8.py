@@ -169,6 +169,14 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # crossover's rows; the whole-tile gather's kernel spills with the copies (2% slower).
         self.qk_stage_copies = self.crossover and self.kv_stages == 2
         self.row_step = 4 if self.peer_bulk else ROWS_PER_ROUND  # between a thread's rows of a tile
+        # Producer halves (``schedule.producer_halves``): warps 0-1 gather the even tiles of the part, warps 2-3 the
+        # odd ones, 4 rows a thread, so two tiles' loads are in flight and each warp's fences wait only for its own.
+        self.halves = self.peer_bulk and schedule.leader_follower and schedule.producer_halves
+        if self.halves:
+            self.rounds = ROUNDS
+            self.rows_in_flight = ROUNDS
+        self.stream_threads = 64 if self.halves else 128  # producer threads that gather one tile
+        self.warp_rows = self.rounds * 32 // LANES_PER_ROW  # consecutive rows a producer warp hands over
         self.leader_follower = schedule.leader_follower
         if self.leader_follower:
             self.regs = self.LEADER_FOLLOWER_REGS
@@ -271,7 +279,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         kv_pipe = pipeline.PipelineAsync.create(
             barrier_storage=storage.kv_mbar.data_ptr(),
             num_stages=self.kv_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stream_threads),
             # With the crossover the peer's consumers release this CTA's stages too: the peer
             # producer writes into them.
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 512 if self.crossover else 256),
@@ -384,13 +392,21 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         page = mCache.shape[1]
         num_rows = mCache.shape[0] * page
         lane = tidx % LANES_PER_ROW
+        # With producer halves, half ``half`` takes the part's tiles n with n % 2 == half; ``stream``: the thread's
+        # index among those that gather its tiles.
+        half = cutlass.Int32(0)
+        stream = tidx
+        if cutlass.const_expr(self.halves):
+            half = warp_idx // 2
+            stream = tidx % self.stream_threads
         # This thread's first row of a tile; its r-th is ``row_step`` r further.  With the bulk hand-over
-        # a warp's 8 rows are contiguous, so each of their 64-column blocks goes over in one 1 KiB copy;
+        # a warp's rows are contiguous, so each of their 64-column blocks goes over in one copy;
         # otherwise a thread's rows are 16 apart, the same row of the 128-byte swizzle pattern.
         if cutlass.const_expr(self.peer_bulk):
-            row0 = stores.rank * (BLOCK_N // 2) + (tidx // 32) * 8 + (tidx % 32) // LANES_PER_ROW
+            row0 = stores.rank * (BLOCK_N // 2) + (stream // 32) * self.warp_rows + (stream % 32) // LANES_PER_ROW
         else:
             row0 = stores.rank * (BLOCK_N // 2) + tidx // LANES_PER_ROW
+        src = RowSource(mCache, mIndices, mTopkLen, topk, s_idx, row0, lane, page, num_rows, work)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         gather = RowGather(
@@ -402,15 +418,22 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # crossover they run two tiles ahead, and the next tile's rows are prefetched into L2
         # while this tile's are on their way (the whole-tile gather has no registers for that).
         # The lookahead runs over the part's tiles in order, across requests, so a request's first
-        # tiles do not wait for their indices and rows at the boundary.
-        next_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
-        ahead_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
-        ahead = TileCursor.start(work, mTopkLen, topk)
-        self.load_indices(next_idx, mIndices, ahead, s_idx, row0)
+        # tiles do not wait for their indices and rows at the boundary.  A producer half looks ahead
+        # over its own tiles.
+        look = Lookahead(
+            next_idx=cute.make_rmem_tensor((self.rounds,), cutlass.Int32),
+            ahead_idx=cute.make_rmem_tensor((self.rounds,), cutlass.Int32),
+            cursor=TileCursor.start(work, mTopkLen, topk),
+        )
+        if cutlass.const_expr(self.halves):
+            if half == 1:
+                look.cursor.advance(work, mTopkLen, topk)
+        self.load_indices(look.next_idx, mIndices, look.cursor, s_idx, row0)
         if cutlass.const_expr(self.crossover):
-            ahead.advance(work, mTopkLen, topk)
-            self.load_indices(ahead_idx, mIndices, ahead, s_idx, row0)
+            self.advance_stream(look.cursor, src)
+            self.load_indices(look.ahead_idx, mIndices, look.cursor, s_idx, row0)
         lens = topk_lengths_ahead(mTopkLen, work)
+        tile_no = cutlass.Int32(0)  # the part's tiles so far (producer halves)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             first, last = next_request(lens, mTopkLen, work, req, topk)
             if cutlass.const_expr(not self.leader_follower):  # leader-follower: the follower loads Q
@@ -419,68 +442,88 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                     q_load.copy(req)
                 q_state.advance()
             for blk in cutlass.range(first, last, unroll=1):
-                cur_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
-                cur_idx.store(next_idx.load())
-                ahead.advance(work, mTopkLen, topk)
-                if cutlass.const_expr(self.crossover):
-                    next_idx.store(ahead_idx.load())
-                    self.load_indices(ahead_idx, mIndices, ahead, s_idx, row0)
+                if cutlass.const_expr(self.halves):
+                    if tile_no % 2 == half:
+                        self.gather_tile(src, look, gather, kv_pipe, kv_state, stores, sBias, warp_idx, stream)
+                    tile_no = tile_no + 1
                 else:
-                    self.load_indices(next_idx, mIndices, ahead, s_idx, row0)
-                if cutlass.const_expr(not self.crossover):
-                    # Whole-tile gather: loading first measured no faster here, and makes ptxas
-                    # spill in some configurations.
-                    kv_pipe.producer_acquire(kv_state)
-                for g in cutlass.range_constexpr(self.rounds // self.rows_in_flight):
-                    for k in cutlass.range_constexpr(self.rows_in_flight):
-                        idx = cur_idx[g * self.rows_in_flight + k]
-                        ok = (idx >= 0) & (idx < num_rows)
-                        self.load_row(gather, k, mCache, idx, page, ok, lane)
-                    if cutlass.const_expr(self.crossover and g == 0):
-                        # The next tile's, of this request or the next (past the part's last tile: -1).
-                        self.prefetch_rows(mCache, next_idx, page, num_rows, lane)
-                        # The rows are on their way while the consumers of both CTAs still use
-                        # the stage (1.04-1.05x).
-                        kv_pipe.producer_acquire(kv_state)
-                    if cutlass.const_expr(self.peer_bulk):
-                        # Piece by piece over the rows in flight: each two column blocks go to the peer
-                        # as soon as the warp has stored them.
-                        for m in cutlass.range_constexpr(LATENT_PIECES):
-                            for k in cutlass.range_constexpr(self.rows_in_flight):
-                                tok = row0 + self.row_step * (g * self.rows_in_flight + k)
-                                self.store_latent(gather, k, m, tok, kv_state.index, lane, stores,
-                                                  kv_pipe.producer_get_barrier(kv_state))
-                            self.hand_over(stores, kv_state.index, kv_pipe.producer_get_barrier(kv_state), warp_idx % 4,
-                                           tidx % 32, 2 * m)
-                        for k in cutlass.range_constexpr(self.rows_in_flight):
-                            tok = row0 + self.row_step * (g * self.rows_in_flight + k)
-                            self.store_rope(gather, k, sBias, tok, kv_state.index, lane, stores,
-                                            kv_pipe.producer_get_barrier(kv_state))
-                    else:
-                        # Row by row (fewer live registers: the serial consumers' producer has 120).
-                        for k in cutlass.range_constexpr(self.rows_in_flight):
-                            tok = row0 + self.row_step * (g * self.rows_in_flight + k)
-                            for m in cutlass.range_constexpr(LATENT_PIECES):
-                                self.store_latent(gather, k, m, tok, kv_state.index, lane, stores,
-                                                  kv_pipe.producer_get_barrier(kv_state))
-                            self.store_rope(gather, k, sBias, tok, kv_state.index, lane, stores,
-                                            kv_pipe.producer_get_barrier(kv_state))
-                if cutlass.const_expr(self.peer_bulk):
-                    # The RoPE block and the bias.
-                    self.hand_over(stores, kv_state.index, kv_pipe.producer_get_barrier(kv_state), warp_idx % 4,
-                                   tidx % 32, 2 * LATENT_PIECES)
-                else:
-                    # The consumers read the tile with WGMMA (async proxy).
-                    cute.arch.fence_view_async_shared()
-                if cutlass.const_expr(self.crossover):
-                    # One of the 128 arrivals also expects the peer's bytes (its stores or copies complete them).
-                    if tidx == 0:
-                        cute.arch.mbarrier_arrive_and_expect_tx(kv_pipe.producer_get_barrier(kv_state), PEER_TX_BYTES)
-                    else:
-                        kv_pipe.producer_commit(kv_state)
-                else:
-                    kv_pipe.producer_commit(kv_state)
+                    self.gather_tile(src, look, gather, kv_pipe, kv_state, stores, sBias, warp_idx, stream)
                 kv_state.advance()
+
+    @cute.jit
+    def advance_stream(self, cursor, src):
+        """``cursor`` to this thread's next tile: the next one, or with producer halves the one after."""
+        cursor.advance(src.work, src.mTopkLen, src.topk)
+        if cutlass.const_expr(self.halves):
+            cursor.advance(src.work, src.mTopkLen, src.topk)
+
+    @cute.jit
+    def gather_tile(self, src, look, gather, kv_pipe, kv_state, stores, sBias, warp_idx, stream):
+        """Gather, dequantize and hand over this thread's rows of the tile whose indices ``look`` holds, into
+        ``kv_state``'s stage; move the lookahead on by one of this thread's tiles."""
+        row0, lane = src.row0, src.lane
+        cur_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
+        cur_idx.store(look.next_idx.load())
+        if cutlass.const_expr(self.crossover):
+            self.advance_stream(look.cursor, src)
+            look.next_idx.store(look.ahead_idx.load())
+            self.load_indices(look.ahead_idx, src.mIndices, look.cursor, src.s_idx, row0)
+        else:
+            look.cursor.advance(src.work, src.mTopkLen, src.topk)
+            self.load_indices(look.next_idx, src.mIndices, look.cursor, src.s_idx, row0)
+        if cutlass.const_expr(not self.crossover):
+            # Whole-tile gather: loading first measured no faster here, and makes ptxas
+            # spill in some configurations.
+            kv_pipe.producer_acquire(kv_state)
+        for g in cutlass.range_constexpr(self.rounds // self.rows_in_flight):
+            for k in cutlass.range_constexpr(self.rows_in_flight):
+                idx = cur_idx[g * self.rows_in_flight + k]
+                ok = (idx >= 0) & (idx < src.num_rows)
+                self.load_row(gather, k, src.mCache, idx, src.page, ok, lane)
+            if cutlass.const_expr(self.crossover and g == 0):
+                # This thread's next tile, of this request or the next (past the part's last tile: -1).
+                self.prefetch_rows(src.mCache, look.next_idx, src.page, src.num_rows, lane)
+                # The rows are on their way while the consumers of both CTAs still use
+                # the stage (1.04-1.05x).
+                kv_pipe.producer_acquire(kv_state)
+            if cutlass.const_expr(self.peer_bulk):
+                # Piece by piece over the rows in flight: each two column blocks go to the peer
+                # as soon as the warp has stored them.
+                for m in cutlass.range_constexpr(LATENT_PIECES):
+                    for k in cutlass.range_constexpr(self.rows_in_flight):
+                        tok = row0 + self.row_step * (g * self.rows_in_flight + k)
+                        self.store_latent(gather, k, m, tok, kv_state.index, lane, stores,
+                                          kv_pipe.producer_get_barrier(kv_state))
+                    self.hand_over(stores, kv_state.index, kv_pipe.producer_get_barrier(kv_state),
+                                   warp_idx % (self.stream_threads // 32), stream % 32, 2 * m)
+                for k in cutlass.range_constexpr(self.rows_in_flight):
+                    tok = row0 + self.row_step * (g * self.rows_in_flight + k)
+                    self.store_rope(gather, k, sBias, tok, kv_state.index, lane, stores,
+                                    kv_pipe.producer_get_barrier(kv_state))
+            else:
+                # Row by row (fewer live registers: the serial consumers' producer has 120).
+                for k in cutlass.range_constexpr(self.rows_in_flight):
+                    tok = row0 + self.row_step * (g * self.rows_in_flight + k)
+                    for m in cutlass.range_constexpr(LATENT_PIECES):
+                        self.store_latent(gather, k, m, tok, kv_state.index, lane, stores,
+                                          kv_pipe.producer_get_barrier(kv_state))
+                    self.store_rope(gather, k, sBias, tok, kv_state.index, lane, stores,
+                                    kv_pipe.producer_get_barrier(kv_state))
+        if cutlass.const_expr(self.peer_bulk):
+            # The RoPE block and the bias.
+            self.hand_over(stores, kv_state.index, kv_pipe.producer_get_barrier(kv_state),
+                           warp_idx % (self.stream_threads // 32), stream % 32, 2 * LATENT_PIECES)
+        else:
+            # The consumers read the tile with WGMMA (async proxy).
+            cute.arch.fence_view_async_shared()
+        if cutlass.const_expr(self.crossover):
+            # One of the arrivals also expects the peer's bytes (its stores or copies complete them).
+            if stream == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(kv_pipe.producer_get_barrier(kv_state), PEER_TX_BYTES)
+            else:
+                kv_pipe.producer_commit(kv_state)
+        else:
+            kv_pipe.producer_commit(kv_state)
 
     @cute.jit
     def load_indices(self, dst, mIndices, at, s_idx, row0):
@@ -534,7 +577,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         cute.arch.fence_view_async_shared()
         cute.arch.sync_warp()
         if lane_w < 2:
-            stores.copy_warp_block(stage, full_bar, warp, first + lane_w)
+            stores.copy_warp_block(stage, full_bar, warp, self.warp_rows, first + lane_w)
 
     @cute.jit
     def store_latent(self, gather, k, m, tok, stage, lane, stores, full_bar):
@@ -811,6 +854,33 @@ class QLoad:
 
 
 @dataclasses.dataclass
+class RowSource:
+    """Where a producer thread's rows come from: the cache, the indices of token ``s_idx`` of the part's
+    requests (``work``), and the thread's place in a tile (first row ``row0``, 16-byte piece ``lane``)."""
+
+    mCache: Any  # [num_blocks, page, 164] int32
+    mIndices: Any
+    mTopkLen: Any
+    topk: Any
+    s_idx: Any
+    row0: Any
+    lane: Any
+    page: Any
+    num_rows: Any  # num_blocks x page: an index at or past it is out of range
+    work: Any
+
+
+@dataclasses.dataclass
+class Lookahead:
+    """The producer thread's indices ahead of its current tile: its next tile's (``next_idx``) and, with the
+    crossover, the one after (``ahead_idx``), which ``cursor`` points to."""
+
+    next_idx: Any
+    ahead_idx: Any
+    cursor: Any
+
+
+@dataclasses.dataclass
 class RowGather:
     """Registers of the rows a producer thread has in flight: raw bytes and validity."""
 
@@ -873,16 +943,16 @@ class StageStores:
         cute.arch.store_async_dsmem(self.bias_base + (stage * BLOCK_N + tok), bits, full_bar, 1 - self.rank)
 
     @cute.jit
-    def copy_warp_block(self, stage, full_bar, warp, j):
-        """Copy producer warp ``warp``'s 8 rows (32 rank + 8 warp + 0..7, an 8-row swizzle atom, swizzled the
-        same way in both CTAs) of column block ``j`` into the same bytes of the peer's stage, completing
-        bytes on the peer's ``full_bar``; j = 9: the rows' bias."""
-        row = self.rank * (BLOCK_N // 2) + 8 * warp
+    def copy_warp_block(self, stage, full_bar, warp, rows: cutlass.Constexpr, j):
+        """Copy the ``rows`` (8 or 16) rows of producer warp ``warp`` (32 rank + rows warp onwards: whole 8-row
+        swizzle atoms, swizzled the same way in both CTAs) of column block ``j`` into the same bytes of the
+        peer's stage, completing bytes on the peer's ``full_bar``; j = 9: the rows' bias."""
+        row = self.rank * (BLOCK_N // 2) + rows * warp
         if j < D_QK // SUB_COLS:
             off = cute.crd2idx((row, j * SUB_COLS, stage), self.sK_layout.outer)
-            bulk_copy_to_peer(self.k_base + cute.assume(off, divby=512), full_bar, 8 * SUB_COLS * 2, 1 - self.rank)
+            bulk_copy_to_peer(self.k_base + cute.assume(off, divby=512), full_bar, rows * SUB_COLS * 2, 1 - self.rank)
         else:
-            bulk_copy_to_peer(self.bias_base + cute.assume(stage * BLOCK_N + row, divby=8), full_bar, 8 * 4,
+            bulk_copy_to_peer(self.bias_base + cute.assume(stage * BLOCK_N + row, divby=8), full_bar, rows * 4,
                               1 - self.rank)
 
 

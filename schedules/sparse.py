@@ -98,13 +98,15 @@ class SparseDecodeSchedule:
     partials_16bit: Optional[bool] = None
     combine_pdl: bool = True
     fp16_operands: bool = True
+    producer_halves: bool = False
     small_plan_tiles: int = 4
     small_plan_fixed_cost: int = 1
 
     def kernel_key(self) -> tuple:
         """The fields the generated kernel code depends on (the others act on the host side)."""
         return (self.kv_stages, self.crossover, self.peer_bulk_copy, self.leader_follower, self.combine_chunked_batch,
-                self.combine_spread_partials, self.partials_16bit, self.combine_pdl, self.fp16_operands)
+                self.combine_spread_partials, self.partials_16bit, self.combine_pdl, self.fp16_operands,
+                self.producer_halves)
 
     def smem_bytes(self) -> int:
         """The kernel's shared storage: mbarriers, row max/sum, bias, then the 1 KiB-aligned tiles."""
@@ -144,6 +146,11 @@ class SparseDecodeSchedule:
         check_bool("peer_bulk_copy", self.peer_bulk_copy)
         check_bool("leader_follower", self.leader_follower)
         check_bool("fp16_operands", self.fp16_operands)
+        check_bool("producer_halves", self.producer_halves)
+        if self.producer_halves and not (self.peer_bulk_copy and self.leader_follower):
+            raise ValueError("producer_halves needs the crossover's bulk hand-over and the leader-follower consumers "
+                             "(their producer's registers hold 4 rows a thread); set peer_bulk_copy=True and "
+                             "leader_follower=True")
         if self.partials_16bit is not None:
             check_bool("partials_16bit", self.partials_16bit)
         if self.partials_16bit and not self.leader_follower:

@@ -299,6 +299,34 @@ def test_sparse_crossover_hands_the_peer_its_rows(leader_follower, bulk, capfd):
     _check_register_split(ptx, regs)
 
 
+def test_sparse_producer_halves(capfd):
+    """``producer_halves``: each half of the producer warpgroup gathers every other tile, 4 rows a thread, and
+    each of its warps copies its 16 rows of a 64-column block (2 KiB) or their bias (64 bytes) to the peer; a
+    stage's full barrier counts the 64 threads of one half."""
+    from mla_cute.kernels.build import compile_sparse_decode
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    # s_q = 4: a kernel no other test here builds, so ptxas reports on it.
+    ptx = compile_sparse_decode(4, 128, False, SparseDecodeSchedule(producer_halves=True), options=OPTIONS).__ptx__
+    def value(operand):  # an immediate, or the constant a register was set to
+        if operand.isdigit():
+            return int(operand)
+        found = re.findall(rf"mov\.b32\s+{re.escape(operand)}, (\d+);", ptx)
+        return int(found[0]) if len(found) == 1 else None
+
+    sizes = re.findall(r"cp\.async\.bulk\.shared::cluster\.shared::cta\.mbarrier::complete_tx::bytes"
+                       r"\s+\[[^]]+\], \[[^]]+\], ([%\w]+), \[", ptx)
+    assert len(sizes) == 6 and {value(x) for x in sizes} == {2048, 64}, sizes
+    counts = [value(x) for x in re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[[^]]+\], ([%\w]+);", ptx)]
+    assert 64 in counts and 512 in counts, counts  # a stage's full barrier: one half; empty: both CTAs' consumers
+    assert ptx.count("wgmma.mma_async") >= 40
+    err = capfd.readouterr().err
+    _assert_wgmma_not_serialized(err)
+    spills, regs = _ptxas_report(err)
+    assert spills and all(s == (0, 0, 0) for s in spills), f"stack frame / spills: {spills}"
+    _check_register_split(ptx, regs)
+
+
 @pytest.mark.parametrize("leader_follower", [True, False])
 @pytest.mark.parametrize("crossover", [True, False])
 def test_sparse_operand_types(leader_follower, crossover, capfd):

@@ -173,15 +173,17 @@ def test_crossover_grid(b, s_q, h_q, s_k, topk, page):
 
 @pytest.mark.parametrize("consumer,handover,operands", [
     ("leader_follower", "bulk", "fp16"), ("serial", "bulk", "fp16"), ("leader_follower", "st_async", "fp16"),
-    ("serial", "st_async", "fp16"), ("leader_follower", "bulk", "bf16"), ("serial", "bulk", "bf16")])
+    ("serial", "st_async", "fp16"), ("leader_follower", "bulk", "bf16"), ("serial", "bulk", "bf16"),
+    ("leader_follower", "bulk_halves", "fp16"), ("leader_follower", "bulk_halves", "bf16")])
 def test_crossover_corners(consumer, handover, operands):
     """Sinks and topk_length (split and unsplit), out-of-range indices, all invalid, h_q = 256; with
-    each consumer split, each hand-over to the peer and each operand type (leader-follower, bulk and
-    fp16 are the default)."""
+    each consumer split, each hand-over to the peer (bulk copies from the whole producer warpgroup or from
+    producer halves, or st.async stores) and each operand type."""
     from mla_cute.schedules import SparseDecodeSchedule
 
     schedule = SparseDecodeSchedule(crossover=True, leader_follower=consumer == "leader_follower",
-                                    peer_bulk_copy=handover == "bulk", fp16_operands=operands == "fp16")
+                                    peer_bulk_copy=handover != "st_async", producer_halves=handover == "bulk_halves",
+                                    fp16_operands=operands == "fp16")
     sink = torch.randn(128) * 2
     sink[0], sink[1] = float("inf"), float("-inf")
     run_and_check(make_sparse_case(8, 2, 128, 4096, 2048, 64, topk_length=[0, 1, 63, 64, 65, 1000, 2048, 5000],
