@@ -160,10 +160,10 @@ def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options:
                           with_combine: bool = False, has_topk_length: bool = False):
     """The compiled sparse FP8 decode split kernel (``with_combine``: split + combine behind one entry).
     ``has_topk_length``: the calls pass ``topk_length``; without it the kernel takes None there and every
-    request attends to topk tokens, with no length to load.  ``partials_16bit=None`` (chosen per plan) builds
-    the kernel for a plan that is not small; the runtime passes ``schedule.for_plan(...)``."""
+    request attends to topk tokens, with no length to load.  ``partials_16bit=None`` or ``producer_halves=None``
+    (chosen per plan) builds the kernel for a plan that is not small; the runtime passes ``schedule.for_plan(...)``."""
     schedule.validate()
-    if schedule.partials_16bit is None:
+    if schedule.partials_16bit is None or schedule.producer_halves is None:
         schedule = schedule.for_plan(False)
     key = ("sparse_decode_fp8", s_q, h_q, bool(has_sink), schedule.kernel_key(), options, with_combine,
            bool(has_topk_length))
@@ -188,5 +188,5 @@ def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options:
             + f"kv_stages={schedule.kv_stages} "
             + f"crossover={schedule.crossover} peer_bulk_copy={schedule.peer_bulk_copy} "
             + f"leader_follower={schedule.leader_follower} partials_16bit={schedule.partials_16bit} "
-            + f"fp16_operands={schedule.fp16_operands}")
+            + f"fp16_operands={schedule.fp16_operands} producer_halves={schedule.producer_halves}")
     return cached_compile(key, build, describe=what, persistent=not options)

@@ -80,6 +80,14 @@ class SparseDecodeSchedule:
         2^20 in magnitude (smaller values rounded to multiples of 2^-20).  Measured on the H200
         (docs/performance.md, S49): b = 128, h_q = 64 (the whole-tile gather, 4 rows a thread) 7% faster, the
         crossover's rows 0-1.4%, b = 2 the same.  False: bf16 operands, FlashMLA's arithmetic.
+    producer_halves: the crossover's producer warpgroup as two halves of two warps, each gathering every other tile
+        of the part (4 rows a thread instead of 2 of every tile), so two tiles' row loads are in flight at once
+        and a warp's proxy fences before its hand-over copies wait only for its own half's loads; each warp hands
+        over 16 consecutive rows (2 KiB copies).  Needs ``peer_bulk_copy`` and the leader-follower consumers (its
+        producer's registers hold the 4 rows); ignored where the crossover does not pair.  None (the default): on
+        except for small plans (``small_plan_tiles``).  Measured on the H200 (docs/performance.md, S50): b = 128,
+        s_q = 2, h_q = 128 2.7% faster (327.5 -> 318.7 us), b = 64 3.3%, s_q = 1 2.1%; the b = 2 small plan (2
+        tiles a part: one a half) 7% slower (20.4 -> 21.8 us).  False: every producer warp gathers every tile.
     combine_pdl: as for dense decode, the combine launched with Programmatic Dependent Launch.  Measured on
         the H200 (docs/performance.md, entry 33, sparse S38): the b = 2 row 23.7-24.0 us against 25.0-25.3, b = 1,
         h_q = 64, topk 8192 about 1 us faster, b = 74 and 128 within noise.  False: a plain launch.
@@ -98,7 +106,7 @@ class SparseDecodeSchedule:
     partials_16bit: Optional[bool] = None
     combine_pdl: bool = True
     fp16_operands: bool = True
-    producer_halves: bool = False
+    producer_halves: Optional[bool] = None
     small_plan_tiles: int = 4
     small_plan_fixed_cost: int = 1
 
@@ -127,12 +135,15 @@ class SparseDecodeSchedule:
 
     def for_plan(self, small: bool) -> "SparseDecodeSchedule":
         """This schedule resolved for a plan that is small (``small_plan``) or not: the fixed cost the planner
-        uses and ``partials_16bit`` as a bool, so a kernel can be built from it."""
+        uses, and ``partials_16bit`` and ``producer_halves`` as bools, so a kernel can be built from it."""
         fixed_cost = self.small_plan_fixed_cost if small else self.split_fixed_cost
         partials = self.partials_16bit
         if partials is None:
             partials = small and self.leader_follower
-        return dataclasses.replace(self, split_fixed_cost=fixed_cost, partials_16bit=partials)
+        halves = self.producer_halves
+        if halves is None:
+            halves = not small and self.peer_bulk_copy and self.leader_follower
+        return dataclasses.replace(self, split_fixed_cost=fixed_cost, partials_16bit=partials, producer_halves=halves)
 
     def plan_policy(self, rows: int) -> tuple[int, int, int]:
         """The planner's (``fixed_cost``, ``unsplit_slack``, ``even_split_slack``) in blocks for requests of
@@ -146,7 +157,8 @@ class SparseDecodeSchedule:
         check_bool("peer_bulk_copy", self.peer_bulk_copy)
         check_bool("leader_follower", self.leader_follower)
         check_bool("fp16_operands", self.fp16_operands)
-        check_bool("producer_halves", self.producer_halves)
+        if self.producer_halves is not None:
+            check_bool("producer_halves", self.producer_halves)
         if self.producer_halves and not (self.peer_bulk_copy and self.leader_follower):
             raise ValueError("producer_halves needs the crossover's bulk hand-over and the leader-follower consumers "
                              "(their producer's registers hold 4 rows a thread); set peer_bulk_copy=True and "

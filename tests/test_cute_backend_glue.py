@@ -504,6 +504,29 @@ def test_evict_first_per_plan_rules():
         DenseDecodeSchedule(kv_evict_first=1).validate()
 
 
+def test_producer_halves_rule():
+    """Producer halves need the bulk hand-over and the leader-follower consumers; by default they are chosen for
+    plans that are not small, resolved to a bool before a build, and part of the kernel key."""
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    assert SparseDecodeSchedule().producer_halves is None
+    assert SparseDecodeSchedule().for_plan(False).producer_halves is True
+    assert SparseDecodeSchedule().for_plan(True).producer_halves is False
+    for small in (False, True):
+        assert SparseDecodeSchedule(producer_halves=True).for_plan(small).producer_halves is True
+        assert SparseDecodeSchedule(producer_halves=False).for_plan(small).producer_halves is False
+        for other in ({"peer_bulk_copy": False}, {"leader_follower": False}):
+            SparseDecodeSchedule(**other).validate()  # None: never chosen without them
+            assert SparseDecodeSchedule(**other).for_plan(small).producer_halves is False
+    for other in ({"peer_bulk_copy": False}, {"leader_follower": False}):
+        with pytest.raises(ValueError, match="producer_halves needs"):
+            SparseDecodeSchedule(producer_halves=True, **other).validate()
+    for bad in (0, 1, "yes"):
+        with pytest.raises(ValueError, match="producer_halves must be a bool"):
+            SparseDecodeSchedule(producer_halves=bad).validate()
+    assert SparseDecodeSchedule(producer_halves=False).kernel_key() != SparseDecodeSchedule(producer_halves=True).kernel_key()
+
+
 def test_sparse_consumer_split_is_a_schedule_field():
     """The leader-follower consumer is the default; the serial one compiles to another kernel."""
     from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, SERIAL_SPARSE_SCHEDULE, SparseDecodeSchedule
