@@ -20,7 +20,10 @@ Warpgroup roles (384 threads):
            ones, 2 at a time (4 do not fit their producer's 120 registers; one at a time was slower).
            The next tile's indices are loaded while this tile is gathered, in the order of the part's
            tiles across its requests, so a request's first tile finds its indices loaded and its rows
-           in L2.
+           in L2.  Producer halves (``schedule.producer_halves``, crossover with the bulk hand-over and
+           the leader-follower consumers): warps 0-1 gather the part's even tiles, warps 2-3 the odd ones,
+           4 rows a thread (``32 rank + 16 (u / 32) + (u % 32) / 8`` and 4 further, u the thread's index in
+           its half), so two tiles' loads are in flight and a warp's fences wait only for its own half's.
   WG1, WG2 consumers, QK^T, softmax with the bias mask, PV, epilogue with the attention sink,
            split one of two ways (``schedule.leader_follower``):
            leader-follower (default, ``leader_follower.py``): WG1 computes S over the whole tile,
@@ -44,7 +47,7 @@ Shared-memory plan (bytes; "op" is the operand type, fp16 or bf16, and the RoPE 
   sMax, sSum  [2][64] fp32                 1 024  (leader-follower: sMax holds the leader's
                                                    factor and running max per row)
   sBias  kv_stages x 64 fp32 (0 or -inf)     256 each
-  mbarriers: Q full (TMA) / empty (serial consumers only), KV full (128 producer arrivals) /
+  mbarriers: Q full (TMA) / empty (serial consumers only), KV full (128 producer arrivals, 64 with producer halves) /
   empty (256 consumer arrivals) per stage.
 
 Crossover (``schedule.crossover``, the 64-head tiles of a token in pairs: h_q = 128, 256):
@@ -52,9 +55,9 @@ a 2-CTA cluster along the grid's y.  Each CTA gathers rows ``32 rank .. 32 rank 
 every tile (2 per thread) and stores them locally; the peer gets them at the same offsets,
 completing bytes on its KV full barrier (one of its 128 local arrivals also expects the
 ``PEER_TX_BYTES``).  The hand-over (``schedule.peer_bulk_copy``): a producer warp stores its
-8 consecutive rows piece by piece, and after each piece (two 64-column blocks) fences, syncs and
-two lanes issue one ``cp.async.bulk`` shared::cluster copy each (8 rows of a block: one 1 KiB
-swizzle atom); the RoPE block and the rows' bias go last; or st.async stores of every converted
+8 consecutive rows (16 with producer halves) piece by piece, and after each piece (two 64-column blocks)
+fences, syncs and two lanes issue one ``cp.async.bulk`` shared::cluster copy each (the warp's rows of a
+block: one 1 KiB swizzle atom, or two); the RoPE block and the rows' bias go last; or st.async stores of every converted
 16 bytes.  KV empty counts 512 arrivals
 (both CTAs' consumers), because the peer writes into this CTA's stages.  Cluster barriers after
 the barrier setup and before exit (the consumers arrive before their last epilogue).
