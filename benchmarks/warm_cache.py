@@ -95,12 +95,14 @@ def sparse_configs():
     paired |= {(2, 64, False)}  # the benchmark's default-schedule rows (the crossover does not pair h_q = 64)
     out += [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink, schedule=SparseDecodeSchedule(crossover=True))
             for s_q, h_q, sink in sorted(paired)]
-    # The other consumer split and hand-over: the crossover corners and the benchmark's schedules,
+    # The other consumer split, hand-over and producer split: the crossover corners and the benchmark's schedules,
     # and the serial consumer's whole-tile grid test.
     corners = {(2, 128, True), (1, 128, True), (2, 128, False), (1, 128, False), (2, 256, False), (2, 64, False)}
-    for lf, bulk, fp16 in ((False, True, True), (True, False, True), (False, False, True), (True, True, False),
-                           (False, True, False)):
-        other = SparseDecodeSchedule(crossover=True, leader_follower=lf, peer_bulk_copy=bulk, fp16_operands=fp16)
+    for lf, bulk, fp16, halves in ((False, True, True, False), (True, False, True, False), (False, False, True, False),
+                                   (True, True, False, False), (False, True, False, False), (True, True, True, False),
+                                   (True, True, True, True), (True, True, False, True)):
+        other = SparseDecodeSchedule(crossover=True, leader_follower=lf, peer_bulk_copy=bulk, fp16_operands=fp16,
+                                     producer_halves=halves)
         out += [dict(sparse=True, s_q=s_q, h_q=h_q, attn_sink=sink, schedule=other) for s_q, h_q, sink in sorted(corners)]
     serial_whole = SparseDecodeSchedule(crossover=False, leader_follower=False)
     out += [dict(sparse=True, s_q=3, h_q=h_q, attn_sink=sink, schedule=serial_whole)
