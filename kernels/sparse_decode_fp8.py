@@ -115,7 +115,7 @@ PIECE = 16  # bytes per load
 WORDS = PIECE // 4  # int32 words per load
 LANES_PER_ROW = 8  # threads sharing one row: 8 x 16 B = one 128-byte segment per load
 ROWS_PER_ROUND = 128 // LANES_PER_ROW  # 16 rows per pass of the producer warpgroup
-ROUNDS = BLOCK_N // ROWS_PER_ROUND  # 4 rows per thread per tile (2 with the crossover)
+ROUNDS = BLOCK_N // ROWS_PER_ROUND  # 4 rows per thread per tile (2 with the crossover, 4 with producer halves)
 LATENT_PIECES = D_V // (PIECE * LANES_PER_ROW)  # 4 latent pieces per thread per row (one per scale tile)
 # Crossover: bytes the peer CTA stores into this CTA's stage per tile (its 32 rows of 16-bit K, and their bias).
 PEER_TX_BYTES = (BLOCK_N // 2) * (D_QK * 2 + 4)
@@ -160,26 +160,26 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         self.kv_stages = schedule.kv_stages
         # The two 64-head tiles of a pair share every token tile (2-CTA cluster).
         self.crossover = schedule.crossover and self.head_tiles % 2 == 0
-        self.rounds = ROUNDS // 2 if self.crossover else ROUNDS
-        # Rows a producer thread loads before converting them: all of its rows of a tile with the
-        # leader-follower's 144 registers; 2 of the whole-tile gather's 4 with the serial split's.
-        self.rows_in_flight = self.rounds if schedule.leader_follower else 2
         # The crossover hands the peer its rows with st.async stores as they are converted, or with
         # bulk copies once each producer warp has stored its rows.
         self.peer_stores = self.crossover and not schedule.peer_bulk_copy
         self.peer_bulk = self.crossover and schedule.peer_bulk_copy
+        # Producer halves (``schedule.producer_halves``): warps 0-1 gather the even tiles of the part, warps 2-3 the
+        # odd ones, so two tiles' loads are in flight and each warp's fences wait only for its own.
+        self.halves = bool(self.peer_bulk and schedule.leader_follower and schedule.producer_halves)
+        # Rows a producer thread gathers of each of its tiles: 4, 2 with the crossover (each CTA gathers half a
+        # tile), 4 again with producer halves (half the threads a tile).
+        self.rounds = ROUNDS // 2 if self.crossover and not self.halves else ROUNDS
+        # Rows a producer thread loads before converting them: all of its rows of a tile with the
+        # leader-follower's 144 registers; 2 of the whole-tile gather's 4 with the serial split's.
+        self.rows_in_flight = self.rounds if schedule.leader_follower else 2
+        self.stream_threads = 64 if self.halves else 128  # producer threads that gather one tile
+        self.stream_warps = self.stream_threads // 32
+        self.warp_rows = self.rounds * 32 // LANES_PER_ROW  # consecutive rows a producer warp hands over
         # The leader's S as one copy per stage (``leader_follower.leader_qk``): 0.4-1.3% on the
         # crossover's rows; the whole-tile gather's kernel spills with the copies (2% slower).
         self.qk_stage_copies = self.crossover and self.kv_stages == 2
         self.row_step = 4 if self.peer_bulk else ROWS_PER_ROUND  # between a thread's rows of a tile
-        # Producer halves (``schedule.producer_halves``): warps 0-1 gather the even tiles of the part, warps 2-3 the
-        # odd ones, 4 rows a thread, so two tiles' loads are in flight and each warp's fences wait only for its own.
-        self.halves = self.peer_bulk and schedule.leader_follower and schedule.producer_halves
-        if self.halves:
-            self.rounds = ROUNDS
-            self.rows_in_flight = ROUNDS
-        self.stream_threads = 64 if self.halves else 128  # producer threads that gather one tile
-        self.warp_rows = self.rounds * 32 // LANES_PER_ROW  # consecutive rows a producer warp hands over
         self.leader_follower = schedule.leader_follower
         if self.leader_follower:
             self.regs = self.LEADER_FOLLOWER_REGS
@@ -400,7 +400,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         half = cutlass.Int32(0)
         stream = tidx
         if cutlass.const_expr(self.halves):
-            half = warp_idx // 2
+            half = warp_idx // self.stream_warps
             stream = tidx % self.stream_threads
         # This thread's first row of a tile; its r-th is ``row_step`` r further.  With the bulk hand-over
         # a warp's rows are contiguous, so each of their 64-column blocks goes over in one copy;
@@ -498,7 +498,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                         self.store_latent(gather, k, m, tok, kv_state.index, lane, stores,
                                           kv_pipe.producer_get_barrier(kv_state))
                     self.hand_over(stores, kv_state.index, kv_pipe.producer_get_barrier(kv_state),
-                                   warp_idx % (self.stream_threads // 32), stream % 32, 2 * m)
+                                   warp_idx % self.stream_warps, stream % 32, 2 * m)
                 for k in cutlass.range_constexpr(self.rows_in_flight):
                     tok = row0 + self.row_step * (g * self.rows_in_flight + k)
                     self.store_rope(gather, k, sBias, tok, kv_state.index, lane, stores,
@@ -515,7 +515,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         if cutlass.const_expr(self.peer_bulk):
             # The RoPE block and the bias.
             self.hand_over(stores, kv_state.index, kv_pipe.producer_get_barrier(kv_state),
-                           warp_idx % (self.stream_threads // 32), stream % 32, 2 * LATENT_PIECES)
+                           warp_idx % self.stream_warps, stream % 32, 2 * LATENT_PIECES)
         else:
             # The consumers read the tile with WGMMA (async proxy).
             cute.arch.fence_view_async_shared()
