@@ -282,9 +282,10 @@ def test_sparse_crossover_hands_the_peer_its_rows(leader_follower, bulk, capfd):
     bulk_copies = ptx.count("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes")
     stores = ptx.count("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32")
     if bulk:
-        # Two lanes of each producer warp copy its 8 rows of a 64-column block (or their bias) to the
-        # peer's addresses (mapa) as soon as two blocks are stored: four hand-overs of latent blocks
-        # and one of the RoPE block and the bias, six copy instructions in the code.
+        # Two lanes of each producer warp copy its rows of a 64-column block (or their bias) to the peer's
+        # addresses (mapa) as soon as two blocks are stored (8 rows, or 16 with the producer halves that the
+        # default leader-follower build takes): four hand-overs of latent blocks and one of the RoPE block and
+        # the bias, six copy instructions in the code.
         assert bulk_copies == 6 and stores == 0 and "mapa.shared::cluster" in ptx
     else:
         # Each thread stores its 2 rows into the peer: 9 x 16 bytes per row, plus the bias word.
