@@ -431,10 +431,10 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         if cutlass.const_expr(self.halves):
             if half == 1:
                 look.cursor.advance(work, mTopkLen, topk)
-        self.load_indices(look.next_idx, mIndices, look.cursor, s_idx, row0)
+        self.load_indices(look.next_idx, src, look.cursor)
         if cutlass.const_expr(self.crossover):
             self.advance_stream(look.cursor, src)
-            self.load_indices(look.ahead_idx, mIndices, look.cursor, s_idx, row0)
+            self.load_indices(look.ahead_idx, src, look.cursor)
         lens = topk_lengths_ahead(mTopkLen, work)
         tile_no = cutlass.Int32(0)  # the part's tiles so far (producer halves)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
@@ -467,13 +467,12 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         row0, lane = src.row0, src.lane
         cur_idx = cute.make_rmem_tensor((self.rounds,), cutlass.Int32)
         cur_idx.store(look.next_idx.load())
+        self.advance_stream(look.cursor, src)
         if cutlass.const_expr(self.crossover):
-            self.advance_stream(look.cursor, src)
             look.next_idx.store(look.ahead_idx.load())
-            self.load_indices(look.ahead_idx, src.mIndices, look.cursor, src.s_idx, row0)
+            self.load_indices(look.ahead_idx, src, look.cursor)
         else:
-            look.cursor.advance(src.work, src.mTopkLen, src.topk)
-            self.load_indices(look.next_idx, src.mIndices, look.cursor, src.s_idx, row0)
+            self.load_indices(look.next_idx, src, look.cursor)
         if cutlass.const_expr(not self.crossover):
             # Whole-tile gather: loading first measured no faster here, and makes ptxas
             # spill in some configurations.
@@ -482,10 +481,10 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             for k in cutlass.range_constexpr(self.rows_in_flight):
                 idx = cur_idx[g * self.rows_in_flight + k]
                 ok = (idx >= 0) & (idx < src.num_rows)
-                self.load_row(gather, k, src.mCache, idx, src.page, ok, lane)
+                self.load_row(gather, k, src, idx, ok)
             if cutlass.const_expr(self.crossover and g == 0):
                 # This thread's next tile, of this request or the next (past the part's last tile: -1).
-                self.prefetch_rows(src.mCache, look.next_idx, src.page, src.num_rows, lane)
+                self.prefetch_rows(src, look.next_idx)
                 # The rows are on their way while the consumers of both CTAs still use
                 # the stage (1.04-1.05x).
                 kv_pipe.producer_acquire(kv_state)
@@ -529,44 +528,45 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             kv_pipe.producer_commit(kv_state)
 
     @cute.jit
-    def load_indices(self, dst, mIndices, at, s_idx, row0):
+    def load_indices(self, dst, src, at):
         """The cache indices of this thread's rows of the tile ``at`` (a ``TileCursor``) points to (-1 past
         the request's length, and past the part's last tile; positions past topk, when topk is not a
         multiple of 64, are never read)."""
         req, blk, limit = at.pos[0], at.pos[1], at.pos[3]
         for r in cutlass.range_constexpr(self.rounds):
-            pos = blk * BLOCK_N + row0 + self.row_step * r
+            pos = blk * BLOCK_N + src.row0 + self.row_step * r
             dst[r] = -1
             if pos < limit:
-                dst[r] = mIndices[req, s_idx, pos]
+                dst[r] = src.mIndices[req, src.s_idx, pos]
 
     @cute.jit
-    def prefetch_rows(self, mCache, idx_regs, page, num_rows, lane):
+    def prefetch_rows(self, src, idx_regs):
         """Pull this thread's rows of a later tile into L2: lane l the 128-byte line at byte 128 l of each
         row (lanes 6 and 7 its last byte's line, which a row not aligned to 128 bytes reaches)."""
         for r in cutlass.range_constexpr(self.rounds):
             idx = idx_regs[r]
-            if (idx >= 0) & (idx < num_rows):
-                blk_id = idx // page
-                row = mCache[blk_id, idx - blk_id * page, None]  # 164 int32 words
-                word = cutlass.min(lane * (128 // 4), ROW_BYTES // 4 - 1)
+            if (idx >= 0) & (idx < src.num_rows):
+                blk_id = idx // src.page
+                row = src.mCache[blk_id, idx - blk_id * src.page, None]  # 164 int32 words
+                word = cutlass.min(src.lane * (128 // 4), ROW_BYTES // 4 - 1)
                 cute.arch.prefetch((row.iterator + word).llvm_ptr, cache_level="L2")
 
     @cute.jit
-    def load_row(self, gather, k, mCache, idx, page, ok, lane):
-        """Start the six 16-byte loads of this thread's share of one row (nothing for an invalid token)."""
+    def load_row(self, gather, k, src, idx, ok):
+        """Start the six 16-byte loads of this thread's share of cache row ``idx`` (nothing for an invalid
+        token: ``ok`` false)."""
         raw = gather.raw
+        lane = src.lane
         gather.valid[k] = 0
         for j in cutlass.range_constexpr(LATENT_PIECES + 2):
             for w in cutlass.range_constexpr(WORDS):
                 raw[w, j, k] = 0
         if ok:
             gather.valid[k] = 1
-            blk_id = idx // page
-            row = mCache[blk_id, idx - blk_id * page, None]  # 164 int32 words
+            blk_id = idx // src.page
+            row = src.mCache[blk_id, idx - blk_id * src.page, None]  # 164 int32 words
             for m in cutlass.range_constexpr(LATENT_PIECES):
-                src = cute.local_tile(row, (WORDS,), ((m * LANES_PER_ROW + lane),))
-                cute.autovec_copy(src, raw[None, m, k])
+                cute.autovec_copy(cute.local_tile(row, (WORDS,), ((m * LANES_PER_ROW + lane),)), raw[None, m, k])
             cute.autovec_copy(cute.local_tile(row, (WORDS,), (SCALE_OFFSET // PIECE,)), raw[None, LATENT_PIECES, k])
             cute.autovec_copy(
                 cute.local_tile(row, (WORDS,), (ROPE_OFFSET // PIECE + lane,)), raw[None, LATENT_PIECES + 1, k]

@@ -309,6 +309,7 @@ def test_sparse_producer_halves(capfd):
 
     # s_q = 4: a kernel no other test here builds, so ptxas reports on it.
     ptx = compile_sparse_decode(4, 128, False, SparseDecodeSchedule(producer_halves=True), options=OPTIONS).__ptx__
+
     def value(operand):  # an immediate, or the constant a register was set to
         if operand.isdigit():
             return int(operand)
