@@ -4,7 +4,8 @@
     python benchmarks/profile.py --sparse --b 128 --s-q 2 --h-q 128 --s-k 32768 --topk 2048
 
 Runs ncu on the split kernel of one call (``--kernel combine``: the combine kernel) and prints duration, DRAM throughput, tensor-pipe
-(GMMA) activity, long-scoreboard stalls, executed instructions and global-load sectors.
+(GMMA) activity, long-scoreboard stalls, executed instructions, global-load sectors (and how many miss L1), the
+shared-memory pipe's and banks' use, and the L2 hit rate.
 
 ``--source CSV``: instead, sample warp stalls per SASS instruction (ncu's source page) and
 write them as CSV; the top instructions by samples are printed with their stall reasons.
@@ -37,6 +38,12 @@ METRICS = [
     "smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio",
     "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
     "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    # the SM's shared-memory path (the stages' stores and copies, P, the barriers) and where global loads hit
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed",
+    "l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed",
+    "l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed",
+    "l1tex__t_sectors_pipe_lsu_mem_global_op_ld_lookup_miss.sum",
+    "lts__t_sector_hit_rate.pct",
 ]
 
 
