@@ -38,7 +38,8 @@ METRICS = [
     "smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio",
     "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
     "smsp__issue_active.avg.pct_of_peak_sustained_active",
-    # the SM's shared-memory path (the stages' stores and copies, P, the barriers) and where global loads hit
+    # shared memory (the LSU's wavefronts: threads' loads, stores and barrier operations; the data banks' reads and
+    # writes), the global loads that miss L1, and the L2 hit rate
     "l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed",
     "l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed",
     "l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed",
