@@ -524,7 +524,8 @@ def test_producer_halves_rule():
     for bad in (0, 1, "yes"):
         with pytest.raises(ValueError, match="producer_halves must be a bool"):
             SparseDecodeSchedule(producer_halves=bad).validate()
-    assert SparseDecodeSchedule(producer_halves=False).kernel_key() != SparseDecodeSchedule(producer_halves=True).kernel_key()
+    off, on = SparseDecodeSchedule(producer_halves=False), SparseDecodeSchedule(producer_halves=True)
+    assert off.kernel_key() != on.kernel_key()
 
 
 def test_sparse_consumer_split_is_a_schedule_field():
