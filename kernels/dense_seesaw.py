@@ -26,7 +26,9 @@ tiles of a pair (grid y 2i and 2i + 1, which see the same tiles) run as a 2-CTA 
 loads 32 of each sub-tile's 64 rows into both CTAs (TMA multicast), so each tile crosses from L2 once
 for both.  A buffer half may be overwritten only once both CTAs freed it: its hand-back arrives on both
 CTAs' ``free`` barrier of that half (without the load warpgroup: the warp that refills it arrives on the
-peer's and waits on its own before its copies).
+peer's and waits on its own before its copies).  With ``multicast_ctas=4`` (and the load warpgroup) four M
+tiles (grid y 4i .. 4i + 3) form the cluster, each CTA loads 16 of each sub-tile's rows into all four, and
+each hand-back arrives on all four CTAs' barrier; causal, the four load the tiles of the cluster's last row.
 Each 64 x 576 tile arrives as nine 64 x 64 sub-tiles, each with its own mbarrier, and S = Q K^T
 consumes sub-tile j as soon as it lands:
   K0 sub-tiles 0-3 (V0_L) free after WG0's P0 V0_L; 4-8 after WG1's P0 V0_R;
@@ -57,7 +59,7 @@ Shared-memory plan (16-bit q/cache; bytes):
                                                    factors of WG0 and WG1; the epilogue's sums)
   mbarriers: Q; K sub-tiles [2][9]           160
   free [2][2]                                 32  (per buffer and half: this CTA's consumers and, with
-                                                   tile multicast, the peer's freed it; without the
+                                                   tile multicast, the peers' freed it; without the
                                                    load warpgroup only with multicast: the peer's)
   (load warpgroup) Q free                      8  (Q's bytes may take the next request's Q)
 About 226 KiB of the 227 KiB a CTA may have (``DenseDecodeSchedule.smem_bytes``).
@@ -139,6 +141,7 @@ class DenseSeesawKernel(SeesawConsumer):
         set_dense_facts(self, dtype, rows, group, s_q, causal, page_size)
         self.kv_evict_first = schedule.kv_evict_first
         self.tile_multicast = schedule.tile_multicast_for(self.m_tiles, group, causal)
+        self.cluster_ctas = schedule.cluster_ctas_for(self.m_tiles, group, causal)
         self.cross_term_first = schedule.cross_term_first_for(self.m_tiles, self.tile_multicast)
         self.load_warpgroup = schedule.load_warpgroup_on()
         self.num_threads = 384 if self.load_warpgroup else 256
@@ -170,7 +173,7 @@ class DenseSeesawKernel(SeesawConsumer):
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q, sQ_layout, (BLOCK_M, D_QK))
         load_k = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.tile_multicast else cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load_k, k, sub_layout, (BLOCK_N, SUB),
-                                                        num_multicast=2 if self.tile_multicast else 1)
+                                                        num_multicast=self.cluster_ctas)
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.sub_bytes = cute.size_in_bytes(self.dtype, sub_layout)
 
@@ -205,7 +208,7 @@ class DenseSeesawKernel(SeesawConsumer):
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
-            **({"cluster": [1, 2, 1]} if self.tile_multicast else {}),
+            **({"cluster": [1, self.cluster_ctas, 1]} if self.tile_multicast else {}),
         )
 
     # ------------------------------------------------------------------ device side
@@ -243,7 +246,7 @@ class DenseSeesawKernel(SeesawConsumer):
                 cute.arch.mbarrier_init(kv_bar + j, 1)
             if cutlass.const_expr(self.tile_multicast or self.load_warpgroup):
                 # Classic multicast: the peer's hand-back; the loader: this CTA's consumers and the peer's.
-                frees = 2 if self.tile_multicast and self.load_warpgroup else 1
+                frees = self.cluster_ctas if self.load_warpgroup else 1
                 for j in cutlass.range_constexpr(4):
                     cute.arch.mbarrier_init(storage.free_mbar.data_ptr() + j, frees)
             if cutlass.const_expr(self.load_warpgroup):
@@ -270,7 +273,7 @@ class DenseSeesawKernel(SeesawConsumer):
                     part, m_tile, kv_head = cute.arch.block_idx()
                     sQ, sK, _, _ = operand_tiles(storage, sQ_layout, sK_layout, sV_layout, sP_layout)
                     loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar,
-                                             mBlockTable, m_tile, kv_head, self.tile_multicast,
+                                             mBlockTable, m_tile, kv_head, self.cluster_ctas,
                                              storage.free_mbar.data_ptr(), storage.q_free_mbar.data_ptr())
                     self.produce(loader, mSeqlens, WorkSlice.of(mSched, part), m_tile)
         else:
@@ -303,7 +306,7 @@ class DenseSeesawKernel(SeesawConsumer):
         q_bar = storage.q_mbar.data_ptr()
         kv_bar = storage.kv_mbar.data_ptr()
         loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar,
-                                 mBlockTable, m_tile, kv_head, self.tile_multicast,
+                                 mBlockTable, m_tile, kv_head, self.cluster_ctas,
                                  storage.free_mbar.data_ptr() if self.tile_multicast or self.load_warpgroup else None,
                                  storage.q_free_mbar.data_ptr() if self.load_warpgroup else None)
         outs = SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum)
@@ -361,6 +364,9 @@ class DenseSeesawKernel(SeesawConsumer):
         last row sees the most keys; blocks past them are skipped)."""
         shift = 0
         if cutlass.const_expr(self.causal):
+            if cutlass.const_expr(self.cluster_ctas == 4):
+                # The cluster's M tiles load the same tiles: those of its last row.
+                m_tile = m_tile - m_tile % 4 + 3
             last_row = cutlass.min(m_tile * BLOCK_M + BLOCK_M - 1, self.rows - 1)
             shift = self.s_q - 1 - last_row // self.group
         return shift
@@ -643,8 +649,11 @@ class DenseSeesawKernel(SeesawConsumer):
         peer's loader is told too, since its copies write into this CTA's buffer."""
         if v.tid == 0:
             cute.arch.mbarrier_arrive(ld.free_bar + (buf * 2 + half))
-            if cutlass.const_expr(self.tile_multicast):
+            if cutlass.const_expr(self.cluster_ctas == 2):
                 cute.arch.mbarrier_arrive(ld.free_bar + (buf * 2 + half), ld.peer)
+            elif cutlass.const_expr(self.tile_multicast):
+                for i in cutlass.range_constexpr(1, self.cluster_ctas):
+                    cute.arch.mbarrier_arrive(ld.free_bar + (buf * 2 + half), (ld.rank + i) % self.cluster_ctas)
 
     # ------------------------------------------------------------- the load warpgroup
     @cute.jit
@@ -750,7 +759,7 @@ class DenseSeesawKernel(SeesawConsumer):
         tile_in_page, phys = loc
         options = {}
         if cutlass.const_expr(self.tile_multicast):
-            options["mcast_mask"] = cutlass.Int16(3)
+            options["mcast_mask"] = cutlass.Int16((1 << self.cluster_ctas) - 1)
         if cutlass.const_expr(self.kv_evict_first):
             options["cache_policy"] = cutlass.Int64(L2_EVICT_FIRST)
         cute.copy(ld.tma_atom_k, ld.tKgK[None, tile_in_page, j, ld.kv_head, phys], ld.tKsK[None, 0, j, buf],
@@ -777,12 +786,13 @@ class TileLoader:
     kv_head: Any
     free_bar: Any = None  # [buffer][half] mbarriers: the peer's hand-back, or (load warpgroup) the consumers'
     q_free_bar: Any = None  # load warpgroup: Q's bytes are free for the next request
-    peer: Any = None  # tile multicast: the other CTA's rank in the cluster
+    peer: Any = None  # tile multicast in pairs: the other CTA's rank in the cluster
+    rank: Any = None  # tile multicast: this CTA's rank in the cluster
     free_phase: Any = None  # tile multicast: this warp's phase of free_bar, a buffer each
 
     @staticmethod
     def make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar, block_table, m_tile, kv_head,
-             multicast: cutlass.Constexpr = False, free_bar=None, q_free_bar=None):
+             cluster_ctas: cutlass.Constexpr = 1, free_bar=None, q_free_bar=None):
         # ((64, 576), m_tiles, 1, h_kv, b) and ((64, 64), page/64, 9, h_kv, num_blocks)
         gQ = cute.flat_divide(tma_q, (BLOCK_M, D_QK))
         gK = cute.flat_divide(tma_k, (BLOCK_N, SUB))
@@ -790,16 +800,18 @@ class TileLoader:
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
-        # With multicast each CTA of the pair copies its half of every sub-tile (its rank's rows).
+        # With multicast each CTA of the cluster copies its share of every sub-tile (its rank's rows).
+        multicast = cluster_ctas > 1
         rank = cute.arch.block_idx_in_cluster() if multicast else 0
         tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k, rank, cute.make_layout(2 if multicast else 1), cute.group_modes(sK_sub, 0, 2),
+            tma_atom_k, rank, cute.make_layout(cluster_ctas), cute.group_modes(sK_sub, 0, 2),
             cute.group_modes(gK, 0, 2)
         )
         loader = TileLoader(tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, q_bar, kv_bar, block_table, m_tile, kv_head,
                             free_bar, q_free_bar)
         if cutlass.const_expr(multicast):
             loader.peer = 1 - rank
+            loader.rank = rank
             loader.free_phase = cute.make_rmem_tensor((2,), cutlass.Int32)
             loader.free_phase.fill(0)
         return loader

@@ -18,8 +18,15 @@ ENV_VAR = "MLA_CUTE_BACKEND"
 
 _sm90: dict = {}
 _num_sms: dict = {}
+_cluster_slots: dict = {}
 # SM count assumed when planning without a GPU (CPU tensors): an H100/H200.
 HOPPER_NUM_SMS = 132
+# Clusters of 1, 2 and 4 CTAs of a whole SM each (over 114 KiB of shared memory) that an H200 holds at once,
+# measured with cuOccupancyMaxActiveClusters: the SMs of a GPC hold whole clusters only, so 4-CTA clusters
+# leave 12 of the 132 SMs idle.  Assumed when planning without a GPU.
+HOPPER_CLUSTER_SLOTS = {1: 132, 2: 66, 4: 30}
+# An empty kernel to ask the driver how many clusters fit (the count depends on the launch shape only).
+_EMPTY_PTX = b".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry empty()\n{\n ret;\n}\n\0"
 
 
 def num_sms(device: torch.device) -> int:
@@ -30,6 +37,71 @@ def num_sms(device: torch.device) -> int:
     if idx not in _num_sms:
         _num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _num_sms[idx]
+
+
+def cluster_slots(device: torch.device, ctas: int, smem_bytes: int, threads: int) -> int:
+    """How many clusters of ``ctas`` CTAs, each with ``smem_bytes`` of dynamic shared memory and ``threads``
+    threads, ``device`` runs at once (cached; ``HOPPER_CLUSTER_SLOTS`` for a CPU device)."""
+    if device.type != "cuda":
+        return HOPPER_CLUSTER_SLOTS[ctas]
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (idx, ctas, smem_bytes, threads)
+    if key not in _cluster_slots:
+        _cluster_slots[key] = _query_cluster_slots(idx, ctas, smem_bytes, threads)
+    return _cluster_slots[key]
+
+
+def _query_cluster_slots(idx: int, ctas: int, smem_bytes: int, threads: int) -> int:
+    from cuda.bindings import driver as cu
+
+    def ok(result):
+        if result[0] != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver call failed while counting {ctas}-CTA clusters: {result[0]}")
+        return result[1] if len(result) > 1 else None
+
+    # The device's primary context (the one torch uses), current for the query only.
+    ok(cu.cuInit(0))
+    dev = ok(cu.cuDeviceGet(idx))
+    ctx = ok(cu.cuDevicePrimaryCtxRetain(dev))
+    ok(cu.cuCtxPushCurrent(ctx))
+    try:
+        module = ok(cu.cuModuleLoadData(_EMPTY_PTX))
+        try:
+            fn = ok(cu.cuModuleGetFunction(module, b"empty"))
+            ok(cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     smem_bytes))
+            config = cu.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = 1, ctas, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+            config.sharedMemBytes = smem_bytes
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = 1, ctas, 1
+            config.attrs = [attr]
+            config.numAttrs = 1
+            return int(ok(cu.cuOccupancyMaxActiveClusters(fn, config)))
+        finally:
+            ok(cu.cuModuleUnload(module))
+    finally:
+        ok(cu.cuCtxPopCurrent())
+        ok(cu.cuDevicePrimaryCtxRelease(dev))
+
+
+def dense_num_parts(device: torch.device, schedule, s_q: int, h_q: int, h_kv: int, causal: bool) -> int:
+    """The dense kernels' part count: ``schedule.num_sm_parts``, else FlashMLA's rule
+    (``num_sm_parts_for``), capped with 4-CTA clusters at the clusters the device holds at once (a
+    part is one cluster for each KV head and four M tiles): a plan's parts must all run together."""
+    from .schedules import num_sm_parts_for
+
+    if schedule.num_sm_parts:
+        return schedule.num_sm_parts
+    parts = num_sm_parts_for(num_sms(device), s_q, h_q, h_kv)
+    group = h_q // h_kv
+    m_tiles = -(-s_q * group // 64)
+    if schedule.cluster_ctas_for(m_tiles, group, causal) == 4:
+        slots = cluster_slots(device, 4, schedule.smem_bytes(), 384)
+        parts = max(min(parts, slots // (h_kv * m_tiles // 4)), 1)
+    return parts
 
 
 def is_sm90(device: torch.device) -> bool:

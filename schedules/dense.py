@@ -70,6 +70,11 @@ class DenseDecodeSchedule:
         h_q = 128 rows but 2% slower at b = 1, 128K; with the cross term first (its default order) 0-5%
         faster, even at b = 1, 128K, 3% slower at b = 1, 64K.  None: on exactly when a KV head has a
         multiple of 128 query heads.
+    multicast_ctas: with tile multicast, how many M tiles share each tile in one cluster: 2 (a pair, each CTA
+        loading half of every sub-tile's rows) or 4 (where a KV head has a multiple of 4 M tiles, e.g. s_q = 2
+        with h_q = 128: a quarter each, a quarter of the L2-to-SM traffic of no multicast; else pairs).  With 4
+        and causality the cluster's rows end at most s_q - 1 keys apart: all four read the tiles of its last
+        row, and each row is masked past its own end.  Needs the load warpgroup.
     load_warpgroup: seesaw kernel only: a third warpgroup issues every TMA copy (Q, each buffer half's
         refill, a request's first tiles, the block-table reads before them); the consumer warpgroups only
         hand a freed buffer half back through an mbarrier (with tile multicast: to both CTAs' loaders), so
@@ -121,6 +126,7 @@ class DenseDecodeSchedule:
     combine_spread_partials: int = 48
     cross_term_first: Optional[bool] = None
     tile_multicast: Optional[bool] = None
+    multicast_ctas: int = 2
     load_warpgroup: Optional[bool] = None
     partials_16bit: Optional[bool] = None
     partials_16bit_tiles: int = 32
@@ -130,7 +136,7 @@ class DenseDecodeSchedule:
         """The fields the generated kernel code depends on (the others act on the host side)."""
         return (self.kv_stages, self.qk_prefetch, self.kv_evict_first, self.seesaw, self.combine_chunked_batch,
                 self.combine_spread_partials, self.cross_term_first, self.tile_multicast, self.load_warpgroup_on(),
-                self.partials_16bit, self.combine_pdl)
+                self.partials_16bit, self.combine_pdl, self.multicast_ctas)
 
     def load_warpgroup_on(self) -> bool:
         """``load_warpgroup`` resolved (None: on with the seesaw kernel)."""
@@ -155,6 +161,15 @@ class DenseDecodeSchedule:
                 f"tile_multicast pairs M tiles that see the same KV tiles: it needs an even number of 64-row M "
                 f"tiles (got {m_tiles}) and, when causal, a multiple of 128 query heads a KV head (got {group})")
         return True
+
+    def cluster_ctas_for(self, m_tiles: int, group: int, causal: bool) -> int:
+        """CTAs in a cluster of the seesaw kernel with ``m_tiles`` M tiles and ``group`` query heads a KV head:
+        1 without tile multicast, else ``multicast_ctas`` where ``m_tiles`` divides by it, else 2.  (Where
+        ``tile_multicast=True`` cannot pair, ``tile_multicast_for`` raises when the kernel is built; here 1.)"""
+        on = group % 128 == 0 if self.tile_multicast is None else self.tile_multicast
+        if not (self.seesaw and on and m_tiles % 2 == 0 and (not causal or group % 128 == 0)):
+            return 1
+        return 4 if self.multicast_ctas == 4 and m_tiles % 4 == 0 else 2
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         q = 64 * 576 * elem_bytes
@@ -208,6 +223,11 @@ class DenseDecodeSchedule:
             check_bool("tile_multicast", self.tile_multicast)
             if self.tile_multicast and not self.seesaw:
                 raise ValueError("tile_multicast is a seesaw-kernel option; set seesaw=True or leave it None")
+        if type(self.multicast_ctas) is not int or self.multicast_ctas not in (2, 4):
+            raise ValueError(f"multicast_ctas must be 2 or 4, got {self.multicast_ctas!r}")
+        if self.multicast_ctas == 4 and not self.load_warpgroup_on():
+            raise ValueError("multicast_ctas=4 needs the load warpgroup (its loader waits for all four CTAs' "
+                             "hand-backs); leave load_warpgroup None or set it True")
         if self.load_warpgroup is not None:
             check_bool("load_warpgroup", self.load_warpgroup)
             if self.load_warpgroup and not self.seesaw:

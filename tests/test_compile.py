@@ -150,6 +150,34 @@ def test_dense_tile_multicast_loads_each_sub_tile_once_for_the_pair(evict_first,
     assert spills and all(sp == (0, 0, 0) for sp in spills), f"stack frame / spills: {spills}"
 
 
+def test_dense_quad_multicast_loads_a_quarter_of_each_sub_tile_into_four(capfd):
+    """``multicast_ctas=4`` (s_q = 2, h_q = 128: four M tiles): every sub-tile copy multicasts into the four
+    CTAs (mask 0b1111), each hand-back reaches the three peers, each buffer half's barrier counts four
+    hand-backs, and the kernel keeps its registers without spills."""
+    import dataclasses
+
+    from mla_cute.kernels.build import compile_dense_decode
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
+
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, multicast_ctas=4)
+    fn = compile_dense_decode(torch.bfloat16, 2, 128, 1, True, 64, sched, options=OPTIONS)
+    ptx = fn.__ptx__
+    multicast = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.\S*multicast::cluster", ptx)
+    assert len(multicast) >= 9 + 9
+    masks = set(re.findall(r"mov\.b16\s+%rs\d+, (\d+);", ptx))
+    assert masks == {"15"}, masks
+    assert re.search(r"mov\.b32\s+(%r\d+), 4;\s*mbarrier\.init\.shared\.b64\s+\[%r\d+\+\d+\], \1;", ptx)
+    # Three peers at each of the hand-back sites (pairs: one).
+    assert ptx.count("mapa.shared::cluster") >= 3 * 4
+    assert ptx.count("wgmma.mma_async") >= 4 * 36
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    err = capfd.readouterr().err
+    _assert_wgmma_not_serialized(err)
+    spills, regs = _ptxas_report(err)
+    assert spills and all(sp == (0, 0, 0) for sp in spills), f"stack frame / spills: {spills}"
+    assert max(regs) <= 168
+
+
 @pytest.mark.parametrize("s_q,h_q,causal", [(1, 64, False), (2, 64, True), (3, 64, False)])
 def test_dense_tile_multicast_refuses_m_tiles_it_cannot_pair(s_q, h_q, causal):
     """Forced on where the M tiles cannot be paired (one M tile; causal rows of different positions; an

@@ -610,6 +610,38 @@ def test_dense_schedule_rules():
     assert 225 * 1024 < SEESAW_DENSE_SCHEDULE.smem_bytes() <= 232448
 
 
+def test_quad_multicast_schedule_and_part_count():
+    """``multicast_ctas=4``: four M tiles a cluster where a KV head has a multiple of four (else pairs), only
+    with the load warpgroup; the plan then has at most as many parts as 4-CTA clusters run at once."""
+    from mla_cute.backend import HOPPER_CLUSTER_SLOTS, dense_num_parts
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
+
+    quad = DenseDecodeSchedule(multicast_ctas=4)
+    quad.validate()
+    assert quad.kernel_key() != DEFAULT_DENSE_SCHEDULE.kernel_key()
+    for bad in (1, 3, 8, 4.0, "4", True):
+        with pytest.raises(ValueError, match="multicast_ctas must be 2 or 4"):
+            DenseDecodeSchedule(multicast_ctas=bad).validate()
+    with pytest.raises(ValueError, match="multicast_ctas=4 needs the load warpgroup"):
+        DenseDecodeSchedule(multicast_ctas=4, load_warpgroup=False).validate()
+    # (m_tiles, group, causal) -> CTAs a cluster: default / quad.
+    cases = {(4, 128, True): (2, 4), (8, 128, True): (2, 4), (4, 256, False): (2, 4), (2, 128, False): (2, 2),
+             (6, 128, True): (2, 2), (4, 64, False): (1, 1), (1, 64, False): (1, 1)}
+    for (m_tiles, group, causal), expected in cases.items():
+        assert (DEFAULT_DENSE_SCHEDULE.cluster_ctas_for(m_tiles, group, causal),
+                quad.cluster_ctas_for(m_tiles, group, causal)) == expected
+    assert DenseDecodeSchedule(multicast_ctas=4, tile_multicast=False).cluster_ctas_for(4, 128, True) == 1
+    # 4-CTA clusters leave SMs idle: 30 clusters of four on an H200 against 33 parts of FlashMLA's rule.
+    cpu = torch.device("cpu")
+    assert HOPPER_CLUSTER_SLOTS[4] == 30
+    assert dense_num_parts(cpu, DEFAULT_DENSE_SCHEDULE, 2, 128, 1, True) == 33
+    assert dense_num_parts(cpu, quad, 2, 128, 1, True) == 30
+    assert dense_num_parts(cpu, quad, 4, 128, 1, True) == 15  # two clusters a part
+    assert dense_num_parts(cpu, quad, 2, 256, 2, True) == 15  # one cluster a KV head
+    assert dense_num_parts(cpu, quad, 1, 128, 1, False) == 66  # pairs
+    assert dense_num_parts(cpu, DenseDecodeSchedule(multicast_ctas=4, num_sm_parts=12), 2, 128, 1, True) == 12
+
+
 def test_precompile_sparse_configs(monkeypatch):
     import mla_cute
     from mla_cute.backends import cute

@@ -63,6 +63,8 @@ def _schedules():
             # tile multicast forced on (every pairable kernel) and off (the h_q = 128 kernels without it)
             "seesaw_multicast": dataclasses.replace(seesaw, tile_multicast=True),
             "seesaw_no_multicast": dataclasses.replace(seesaw, tile_multicast=False),
+            # four M tiles a cluster where a KV head has a multiple of four (else pairs)
+            "seesaw_quad_multicast": dataclasses.replace(seesaw, tile_multicast=True, multicast_ctas=4),
             # no load warpgroup (the freeing warp refills) in both step orders, and with tile multicast forced on
             "seesaw_no_loader": dataclasses.replace(seesaw, load_warpgroup=False),
             "seesaw_no_loader_cross_last": dataclasses.replace(seesaw, load_warpgroup=False, cross_term_first=False),
@@ -120,6 +122,44 @@ def test_tile_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal, name):
                            gen=torch.Generator().manual_seed(s_q * 100 + h_q + 7))
     with mla_cute.use_schedule(_schedules()[name]):
         run_and_check(case, s_q, causal, reuse=2)
+
+
+# Four M tiles a cluster: one or two query positions a cluster (causal: the cluster's rows end up to s_q - 1
+# keys apart), two clusters a KV head, two KV heads; and kernels whose M tiles only pair.
+QUAD_MULTICAST_CASES = [
+    (torch.bfloat16, 2, 128, 1, True),
+    (torch.bfloat16, 4, 128, 1, True),
+    (torch.float16, 1, 256, 1, False),
+    (torch.bfloat16, 2, 256, 2, True),
+    (torch.bfloat16, 3, 128, 1, True),
+    (torch.bfloat16, 2, 64, 1, False),
+]
+
+
+@pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", QUAD_MULTICAST_CASES)
+def test_quad_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal):
+    import mla_cute
+
+    case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, h_q, h_kv, lengths=PAIR_LENGTHS, dtype=dtype,
+                           gen=torch.Generator().manual_seed(s_q * 100 + h_q + 11))
+    with mla_cute.use_schedule(_schedules()["seesaw_quad_multicast"]):
+        run_and_check(case, s_q, causal, reuse=2)
+
+
+def test_cluster_slots_on_the_device():
+    """The driver's count of co-resident clusters of whole-SM CTAs: every SM for single CTAs and pairs on a
+    Hopper part, at most a quarter of them for 4-CTA clusters; a quad plan's parts all fit at once."""
+    from mla_cute.backend import cluster_slots, dense_num_parts, num_sms
+    from mla_cute.schedules import DenseDecodeSchedule
+
+    dev = torch.device("cuda")
+    smem = DenseDecodeSchedule().smem_bytes()
+    sms = num_sms(dev)
+    assert cluster_slots(dev, 1, smem, 384) == sms
+    assert cluster_slots(dev, 2, smem, 384) == sms // 2
+    quads = cluster_slots(dev, 4, smem, 384)
+    assert 1 <= quads <= sms // 4
+    assert dense_num_parts(dev, DenseDecodeSchedule(multicast_ctas=4), 2, 128, 1, True) <= quads
 
 
 @pytest.mark.parametrize("s_q,causal", [(1, False), (2, True)])

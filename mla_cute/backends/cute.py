@@ -15,9 +15,9 @@ from typing import Optional
 
 import torch
 
-from ..backend import num_sms
+from ..backend import dense_num_parts, num_sms
 from ..fp8 import FP8_BYTES_PER_TOKEN
-from ..schedules import num_sm_parts_for, plan_facts, plan_has_split, sparse_num_sm_parts_for
+from ..schedules import plan_facts, plan_has_split, sparse_num_sm_parts_for
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.sparse import SparseDecodeSchedule
 
@@ -124,7 +124,7 @@ class DensePlan:
         page, h_kv = k_cache.shape[1], k_cache.shape[2]
         self.schedule, self.b, self.s_q, self.h_q, self.h_kv, self.dtype = schedule, b, s_q, h_q, h_kv, q.dtype
         self.facts = self.q_rows = None
-        parts = schedule.num_sm_parts or num_sm_parts_for(num_sms(q.device), s_q, h_q, h_kv)
+        parts = dense_num_parts(q.device, schedule, s_q, h_q, h_kv, causal)
         # The step with the combine, for a plan the host does not know, is loaded in any case: a CUDA
         # graph captured later plans on the device and needs it, and nothing can be loaded during a
         # capture.  With the lengths on the host (``host_lengths``, read by the first call's value
