@@ -11,7 +11,7 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 from . import validation as V
-from .backend import ENV_VAR, dense_num_parts, num_sms, select_backend
+from .backend import ENV_VAR, dense_plan_schedule, num_sms, select_backend
 from .backends import cute, reference
 from .fp8 import D_QK, dequantize_kv_cache
 from .schedules import (
@@ -265,7 +265,7 @@ def flash_mla_with_kvcache(
         causal = causal and q.shape[1] > 1
         if kind == "reference":
             if first:
-                _fill_reference_metadata(tile_scheduler_metadata, q, k_cache, cache_seqlens, causal, sched)
+                _fill_reference_metadata(tile_scheduler_metadata, q, k_cache, cache_seqlens, causal, sched, host_lengths)
             cache = dequantize_kv_cache(k_cache) if is_fp8_kvcache else k_cache
             return reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, causal, head_dim_v)
         out, lse = cute.dense_decode(
@@ -400,9 +400,10 @@ def flash_mla_sparse_fwd(
     raise NotImplementedError("sparse prefill has no 'cute' kernel yet; pass backend='reference'")
 
 
-def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens, causal, schedule) -> None:
+def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens, causal, schedule,
+                             host_lengths) -> None:
     """Give reference users the same metadata tensors the kernels would use."""
-    parts = dense_num_parts(q.device, schedule, q.shape[1], q.shape[2], k_cache.shape[2], causal)
+    _, parts = dense_plan_schedule(q.device, schedule, q.shape[1], q.shape[2], k_cache.shape[2], causal, host_lengths)
     policy = schedule.plan_policy(q.shape[1] * (q.shape[2] // k_cache.shape[2]))
     records, splits = plan_splits(cache_seqlens, parts, 64, *policy)
     meta.tile_scheduler_metadata = records.to(q.device)

@@ -7,6 +7,7 @@ NotImplementedError, and a non-Hopper GPU needs ``backend="reference"``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -85,6 +86,24 @@ def _query_cluster_slots(idx: int, ctas: int, smem_bytes: int, threads: int) -> 
     finally:
         ok(cu.cuCtxPopCurrent())
         ok(cu.cuDevicePrimaryCtxRelease(dev))
+
+
+def dense_plan_schedule(device: torch.device, schedule, s_q: int, h_q: int, h_kv: int, causal: bool,
+                        host_lengths=None):
+    """``schedule`` with ``multicast_ctas`` decided for the plan of ``host_lengths`` (the requests' lengths on
+    the host; None: a plan the host does not know), and the part count of that plan (``dense_num_parts``)."""
+    from .schedules import plan_facts
+
+    group = h_q // h_kv
+    m_tiles = -(-s_q * group // 64)
+    busiest_quad = None
+    if schedule.multicast_ctas is None and host_lengths is not None:
+        quad = dataclasses.replace(schedule, multicast_ctas=4)
+        if quad.cluster_ctas_for(m_tiles, group, causal) == 4:
+            parts = dense_num_parts(device, quad, s_q, h_q, h_kv, causal)
+            _, busiest_quad = plan_facts(host_lengths, parts, 64, *quad.plan_policy(s_q * group))
+    resolved = schedule.multicast_for_plan(busiest_quad)
+    return resolved, dense_num_parts(device, resolved, s_q, h_q, h_kv, causal)
 
 
 def dense_num_parts(device: torch.device, schedule, s_q: int, h_q: int, h_kv: int, causal: bool) -> int:

@@ -74,7 +74,15 @@ class DenseDecodeSchedule:
         loading half of every sub-tile's rows) or 4 (where a KV head has a multiple of 4 M tiles, e.g. s_q = 2
         with h_q = 128: a quarter each, a quarter of the L2-to-SM traffic of no multicast; else pairs).  With 4
         and causality the cluster's rows end at most s_q - 1 keys apart: all four read the tiles of its last
-        row, and each row is masked past its own end.  Needs the load warpgroup.
+        row, and each row is masked past its own end.  4 needs the load warpgroup.  A GPC holds whole clusters
+        only: an H200 runs 30 4-CTA clusters at once (120 of its 132 SMs), so the plan then has at most that
+        many clusters (``mla_cute.backend.dense_num_parts``).  Measured on the H200 (docs/performance.md,
+        entry 44), s_q = 2, h_q = 128: 1.9-2.7% faster where the busiest part reads 546 tiles (b = 128, 8K;
+        b = 64, 16K), 1.8-2% slower at 273 (b = 128, 4K), 3.4% slower at b = 1, 128K (68).  None (the
+        default): chosen per plan, 4 when the host knows the plan and its busiest part, planned over the 4-CTA
+        clusters' parts, reads at least ``quad_multicast_tiles`` KV tiles, else 2.
+    quad_multicast_tiles: with ``multicast_ctas=None``, the fewest tiles the busiest part of a 4-CTA plan must
+        read for the plan to take 4-CTA clusters.
     load_warpgroup: seesaw kernel only: a third warpgroup issues every TMA copy (Q, each buffer half's
         refill, a request's first tiles, the block-table reads before them); the consumer warpgroups only
         hand a freed buffer half back through an mbarrier (with tile multicast: to both CTAs' loaders), so
@@ -126,7 +134,8 @@ class DenseDecodeSchedule:
     combine_spread_partials: int = 48
     cross_term_first: Optional[bool] = None
     tile_multicast: Optional[bool] = None
-    multicast_ctas: int = 2
+    multicast_ctas: Optional[int] = None
+    quad_multicast_tiles: int = 400
     load_warpgroup: Optional[bool] = None
     partials_16bit: Optional[bool] = None
     partials_16bit_tiles: int = 32
@@ -136,7 +145,7 @@ class DenseDecodeSchedule:
         """The fields the generated kernel code depends on (the others act on the host side)."""
         return (self.kv_stages, self.qk_prefetch, self.kv_evict_first, self.seesaw, self.combine_chunked_batch,
                 self.combine_spread_partials, self.cross_term_first, self.tile_multicast, self.load_warpgroup_on(),
-                self.partials_16bit, self.combine_pdl, self.multicast_ctas)
+                self.partials_16bit, self.combine_pdl, 4 if self.multicast_ctas == 4 else 2)
 
     def load_warpgroup_on(self) -> bool:
         """``load_warpgroup`` resolved (None: on with the seesaw kernel)."""
@@ -164,12 +173,23 @@ class DenseDecodeSchedule:
 
     def cluster_ctas_for(self, m_tiles: int, group: int, causal: bool) -> int:
         """CTAs in a cluster of the seesaw kernel with ``m_tiles`` M tiles and ``group`` query heads a KV head:
-        1 without tile multicast, else ``multicast_ctas`` where ``m_tiles`` divides by it, else 2.  (Where
-        ``tile_multicast=True`` cannot pair, ``tile_multicast_for`` raises when the kernel is built; here 1.)"""
+        1 without tile multicast, else 4 with ``multicast_ctas=4`` where ``m_tiles`` divides by 4, else 2
+        (``multicast_ctas=None`` is decided per plan: ``multicast_for_plan``).  Where ``tile_multicast=True``
+        cannot pair, ``tile_multicast_for`` raises when the kernel is built; here 1."""
         on = group % 128 == 0 if self.tile_multicast is None else self.tile_multicast
         if not (self.seesaw and on and m_tiles % 2 == 0 and (not causal or group % 128 == 0)):
             return 1
         return 4 if self.multicast_ctas == 4 and m_tiles % 4 == 0 else 2
+
+    def multicast_for_plan(self, busiest_tiles_quad: Optional[int]) -> "DenseDecodeSchedule":
+        """This schedule with ``multicast_ctas`` decided for a plan whose busiest part, planned over the 4-CTA
+        clusters' parts, reads ``busiest_tiles_quad`` KV tiles (None: a plan the host does not know, or a
+        kernel without four M tiles to a cluster: pairs)."""
+        if self.multicast_ctas is not None:
+            return self
+        quad = (busiest_tiles_quad is not None and self.load_warpgroup_on()
+                and busiest_tiles_quad >= self.quad_multicast_tiles)
+        return dataclasses.replace(self, multicast_ctas=4 if quad else 2)
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         q = 64 * 576 * elem_bytes
@@ -223,8 +243,9 @@ class DenseDecodeSchedule:
             check_bool("tile_multicast", self.tile_multicast)
             if self.tile_multicast and not self.seesaw:
                 raise ValueError("tile_multicast is a seesaw-kernel option; set seesaw=True or leave it None")
-        if type(self.multicast_ctas) is not int or self.multicast_ctas not in (2, 4):
-            raise ValueError(f"multicast_ctas must be 2 or 4, got {self.multicast_ctas!r}")
+        if self.multicast_ctas is not None and (type(self.multicast_ctas) is not int or self.multicast_ctas not in (2, 4)):
+            raise ValueError(f"multicast_ctas must be 2, 4 or None, got {self.multicast_ctas!r}")
+        check_counts(self, "quad_multicast_tiles")
         if self.multicast_ctas == 4 and not self.load_warpgroup_on():
             raise ValueError("multicast_ctas=4 needs the load warpgroup (its loader waits for all four CTAs' "
                              "hand-backs); leave load_warpgroup None or set it True")

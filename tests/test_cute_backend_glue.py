@@ -27,6 +27,7 @@ def recorder(monkeypatch):
         calls["static"] = (dtype, s_q, h_q, h_kv, causal, page, schedule)
         calls.setdefault("built", []).append((schedule.kv_evict_first, with_combine))
         calls.setdefault("partials", []).append(schedule.partials_16bit)
+        calls.setdefault("schedules", []).append(schedule)
 
         def step(*args):
             calls["steps"].append(args)
@@ -63,7 +64,7 @@ def test_arguments_handed_to_the_step(recorder):
     assert out.shape == (3, 2, 12, 512) and out.dtype == torch.bfloat16
     assert lse.shape == (3, 12, 2) and lse.dtype == torch.float32 and lse.is_contiguous()
     # The host does not know these lengths here: the kernel for an unknown plan (normal loads).
-    assert recorder["static"] == (torch.bfloat16, 2, 12, 2, True, 128, sched.for_plan(None))
+    assert recorder["static"] == (torch.bfloat16, 2, 12, 2, True, 128, sched.multicast_for_plan(None).for_plan(None))
     assert recorder["scheduler"] == [(*sched.plan_policy(2 * 12 // 2), (5, 8), (4,))]
     (q_rows, k_arg, bt, sl, records, splits, out_arg, lse_arg, o_acc, lse_acc, scale_log2), = recorder["steps"]
     assert out_arg is out and lse_arg is lse and k_arg is k_cache and bt is block_table and sl is seqlens
@@ -269,7 +270,7 @@ def test_evict_first_chosen_per_plan(recorder, lengths, parts, evict, combine):
     meta = get_mla_metadata()[0]
     cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, True, sched, seqlens)
     assert recorder["built"][-1] == (evict, combine) and recorder["combine"] == [combine]
-    assert meta._state["dense"].kernel_schedule == dataclasses.replace(sched, kv_evict_first=evict)
+    assert meta._state["dense"].kernel_schedule == dataclasses.replace(sched, kv_evict_first=evict, multicast_ctas=2)
     assert meta._state["dense"].schedule is sched  # later calls compare the caller's schedule
     # The kernel a capture needs (normal loads, with the combine) was loaded first in any case.
     assert recorder["built"][0] == (False, True)
@@ -296,6 +297,11 @@ def test_precompile_loads_both_entries(recorder, sparse_recorder):
     kinds = list(zip(recorder["built"][2:], recorder["partials"][2:]))
     assert kinds == [((False, True), False), ((False, False), False), ((True, True), False), ((True, False), False),
                      ((True, True), True), ((True, False), True)]
+    # s_q = 2, h_q = 128 (four M tiles): also the 4-CTA cluster kernels of long plans (normal loads, fp32 partials).
+    del recorder["built"][:], recorder["partials"][:], recorder["schedules"][:]
+    cute.precompile_dense(torch.bfloat16, 2, 128, 1, True, 64, DEFAULT_DENSE_SCHEDULE)
+    assert len(recorder["built"]) == 8 and recorder["built"][-2:] == [(False, True), (False, False)]
+    assert [s.multicast_ctas for s in recorder["schedules"]] == [2] * 6 + [4] * 2
     cute.precompile_sparse(2, 128, False, SparseDecodeSchedule(small_plan_tiles=0))
     assert [x[3].partials_16bit for x in sparse_recorder["compile"]] == [False, False]
     # The small plans' kernels (16-bit partials) too.
@@ -620,7 +626,7 @@ def test_quad_multicast_schedule_and_part_count():
     quad.validate()
     assert quad.kernel_key() != DEFAULT_DENSE_SCHEDULE.kernel_key()
     for bad in (1, 3, 8, 4.0, "4", True):
-        with pytest.raises(ValueError, match="multicast_ctas must be 2 or 4"):
+        with pytest.raises(ValueError, match="multicast_ctas must be 2, 4 or None"):
             DenseDecodeSchedule(multicast_ctas=bad).validate()
     with pytest.raises(ValueError, match="multicast_ctas=4 needs the load warpgroup"):
         DenseDecodeSchedule(multicast_ctas=4, load_warpgroup=False).validate()
@@ -640,6 +646,38 @@ def test_quad_multicast_schedule_and_part_count():
     assert dense_num_parts(cpu, quad, 2, 256, 2, True) == 15  # one cluster a KV head
     assert dense_num_parts(cpu, quad, 1, 128, 1, False) == 66  # pairs
     assert dense_num_parts(cpu, DenseDecodeSchedule(multicast_ctas=4, num_sm_parts=12), 2, 128, 1, True) == 12
+
+
+def test_quad_multicast_chosen_per_plan():
+    """``multicast_ctas=None`` (the default): 4-CTA clusters where the plan over their parts gives the busiest
+    part at least ``quad_multicast_tiles`` tiles, pairs otherwise and for a plan the host does not know."""
+    from mla_cute.backend import dense_plan_schedule
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
+
+    default = DEFAULT_DENSE_SCHEDULE
+    assert default.multicast_ctas is None and default.quad_multicast_tiles == 400
+    assert default.kernel_key() == DenseDecodeSchedule(multicast_ctas=2).kernel_key()
+    picks = {None: 2, 0: 2, 399: 2, 400: 4, 10_000: 4}
+    for busiest, ctas in picks.items():
+        assert default.multicast_for_plan(busiest).multicast_ctas == ctas
+    assert DenseDecodeSchedule(load_warpgroup=False).multicast_for_plan(10_000).multicast_ctas == 2
+    for fixed in (2, 4):
+        assert DenseDecodeSchedule(multicast_ctas=fixed).multicast_for_plan(0).multicast_ctas == fixed
+    with pytest.raises(ValueError, match="quad_multicast_tiles must be an int >= 0"):
+        DenseDecodeSchedule(quad_multicast_tiles=-1).validate()
+    cpu = torch.device("cpu")
+
+    def pick(s_q, h_q, lengths, schedule=default):
+        resolved, parts = dense_plan_schedule(cpu, schedule, s_q, h_q, 1, s_q > 1, lengths)
+        return resolved.multicast_ctas, parts
+
+    # b = 128, s_q = 2: 8K gives a part 546 tiles over 30 clusters, 4K 273.
+    assert pick(2, 128, torch.full((128,), 8192)) == (4, 30)
+    assert pick(2, 128, torch.full((128,), 4096)) == (2, 33)
+    assert pick(2, 128, None) == (2, 33)
+    assert pick(1, 128, torch.full((128,), 32768)) == (2, 66)  # two M tiles: pairs only
+    assert pick(2, 64, torch.full((128,), 32768)) == (2, 66)  # no multicast at 64 heads
+    assert pick(2, 128, torch.full((128,), 8192), dataclasses.replace(default, quad_multicast_tiles=600)) == (2, 33)
 
 
 def test_precompile_sparse_configs(monkeypatch):

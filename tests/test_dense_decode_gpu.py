@@ -146,6 +146,17 @@ def test_quad_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal):
         run_and_check(case, s_q, causal, reuse=2)
 
 
+@pytest.mark.parametrize("s_k,quad", [(16384, True), (4096, False)])
+def test_quad_multicast_chosen_per_plan(s_k, quad):
+    """The default decides the cluster per plan: 64 requests of 16K at s_q = 2, h_q = 128 give a part of the
+    4-CTA clusters' plan 500 tiles or more (4-CTA clusters), 4K far fewer (pairs); both match the reference."""
+    case = make_dense_case(64, 2, s_k, 128, 1, varlen=True, gen=torch.Generator().manual_seed(s_k))
+    meta = run_and_check(case, 2, True)
+    plan = meta._state["dense"]
+    assert plan.kernel_schedule.multicast_ctas == (4 if quad else 2)
+    assert plan.schedule.multicast_ctas is None
+
+
 def test_cluster_slots_on_the_device():
     """The driver's count of co-resident clusters of whole-SM CTAs: every SM for single CTAs and pairs on a
     Hopper part, at most a quarter of them for 4-CTA clusters; a quad plan's parts all fit at once."""

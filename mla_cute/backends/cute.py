@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import dense_num_parts, num_sms
+from ..backend import dense_plan_schedule, num_sms
 from ..fp8 import FP8_BYTES_PER_TOKEN
 from ..schedules import plan_facts, plan_has_split, sparse_num_sm_parts_for
 from ..schedules.dense import DenseDecodeSchedule
@@ -124,21 +124,23 @@ class DensePlan:
         page, h_kv = k_cache.shape[1], k_cache.shape[2]
         self.schedule, self.b, self.s_q, self.h_q, self.h_kv, self.dtype = schedule, b, s_q, h_q, h_kv, q.dtype
         self.facts = self.q_rows = None
-        parts = dense_num_parts(q.device, schedule, s_q, h_q, h_kv, causal)
+        # ``multicast_ctas=None`` is decided on the lengths (4-CTA clusters for long plans), and with it the
+        # part count (4-CTA clusters leave SMs idle).
+        resolved, parts = dense_plan_schedule(q.device, schedule, s_q, h_q, h_kv, causal, host_lengths)
         # The step with the combine, for a plan the host does not know, is loaded in any case: a CUDA
         # graph captured later plans on the device and needs it, and nothing can be loaded during a
         # capture.  With the lengths on the host (``host_lengths``, read by the first call's value
         # checks; None inside a capture) the host planner tells whether any request is split (if none
         # is, the combine is left out) and how many tiles its busiest part reads (``kv_evict_first=None``
         # decides the loads' cache policy on it).
-        self.kernel_schedule = schedule.for_plan(None)
+        self.kernel_schedule = schedule.multicast_for_plan(None).for_plan(None)
         self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, self.kernel_schedule,
                                          with_combine=True)
         rows = s_q * (h_q // h_kv)
         policy = schedule.plan_policy(rows)
         if host_lengths is not None:
             split, busiest = plan_facts(host_lengths, parts, 64, *policy)
-            chosen = schedule.for_plan(busiest)
+            chosen = resolved.for_plan(busiest)
             if not split or chosen != self.kernel_schedule:
                 self.kernel_schedule = chosen
                 self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, chosen, with_combine=split)
@@ -205,7 +207,15 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
     # busiest part's tile counts where a choice changes.
     edges = (schedule.evict_first_tiles, schedule.partials_16bit_tiles)
     counts = [None] + [n + d for n in edges for d in (0, 1)]
-    for kernel_schedule in dict.fromkeys(schedule.for_plan(n) for n in counts):
+    kernels = [schedule.multicast_for_plan(None).for_plan(n) for n in counts]
+    # And, where the kernel has four M tiles to a cluster, those of plans long enough for 4-CTA clusters
+    # (``multicast_for_plan``; their busiest part reads at least ``quad_multicast_tiles`` tiles).
+    quad_tiles = schedule.quad_multicast_tiles
+    quad = schedule.multicast_for_plan(quad_tiles)
+    group = h_q // h_kv
+    if quad.cluster_ctas_for(-(-s_q * group // 64), group, causal and s_q > 1) == 4:
+        kernels += [quad.for_plan(n) for n in counts[1:] + [quad_tiles] if n >= quad_tiles]
+    for kernel_schedule in dict.fromkeys(kernels):
         for with_combine in (True, False):  # a plan that splits no request leaves the combine out
             compile_dense_decode(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, kernel_schedule,
                                  with_combine=with_combine)
