@@ -77,7 +77,7 @@ class DenseDecodeSchedule:
         row, and each row is masked past its own end.  4 needs the load warpgroup.  A GPC holds whole clusters
         only: an H200 runs 30 4-CTA clusters at once (120 of its 132 SMs), so the plan then has at most that
         many clusters (``mla_cute.backend.dense_num_parts``).  Measured on the H200 (docs/performance.md,
-        entry 44), s_q = 2, h_q = 128: 1.9-2.7% faster where the busiest part reads 546 tiles (b = 128, 8K;
+        entry 44), s_q = 2, h_q = 128: 1.9-3.4% faster where the busiest part reads 546 tiles (b = 128, 8K;
         b = 64, 16K), 1.8-2% slower at 273 (b = 128, 4K), 3.4% slower at b = 1, 128K (68).  None (the
         default): chosen per plan, 4 when the host knows the plan and its busiest part, planned over the 4-CTA
         clusters' parts, reads at least ``quad_multicast_tiles`` KV tiles, else 2.
