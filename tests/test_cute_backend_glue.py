@@ -655,9 +655,9 @@ def test_quad_multicast_chosen_per_plan():
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
 
     default = DEFAULT_DENSE_SCHEDULE
-    assert default.multicast_ctas is None and default.quad_multicast_tiles == 400
+    assert default.multicast_ctas is None and default.quad_multicast_tiles == 320
     assert default.kernel_key() == DenseDecodeSchedule(multicast_ctas=2).kernel_key()
-    picks = {None: 2, 0: 2, 399: 2, 400: 4, 10_000: 4}
+    picks = {None: 2, 0: 2, 319: 2, 320: 4, 10_000: 4}
     for busiest, ctas in picks.items():
         assert default.multicast_for_plan(busiest).multicast_ctas == ctas
     assert DenseDecodeSchedule(load_warpgroup=False).multicast_for_plan(10_000).multicast_ctas == 2
