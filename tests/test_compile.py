@@ -28,6 +28,18 @@ def _assert_wgmma_not_serialized(stderr: str) -> None:
     assert not codes, f"ptxas serialized WGMMA ({', '.join(codes)}): " + stderr[:2000]
 
 
+def _assert_seesaw_build_clean(ptx: str, capfd) -> list:
+    """A seesaw dense build: both warpgroups' S over 36 k-blocks at least four times, no local memory, WGMMAs
+    not serialised, no stack frame nor spills; returns ptxas's register counts."""
+    assert ptx.count("wgmma.mma_async") >= 4 * 36
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    err = capfd.readouterr().err
+    _assert_wgmma_not_serialized(err)
+    spills, regs = _ptxas_report(err)
+    assert spills and all(sp == (0, 0, 0) for sp in spills), f"stack frame / spills: {spills}"
+    return regs
+
+
 def test_wgmma_serialization_check_reads_wrapped_remarks():
     """The compiler prints ptxas's report wrapped and indented inside a remark; the check still finds it."""
     wrapped = ("  ptxas output:\n          ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async "
@@ -142,12 +154,7 @@ def test_dense_tile_multicast_loads_each_sub_tile_once_for_the_pair(evict_first,
     assert multicast >= 9 + 9  # a request's first two tiles, then each refill
     assert "mbarrier.arrive.shared::cluster" in ptx
     assert ptx.count("barrier.cluster.arrive") >= 2 and ptx.count("barrier.cluster.wait") >= 2
-    assert ptx.count("wgmma.mma_async") >= 4 * 36
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    err = capfd.readouterr().err
-    _assert_wgmma_not_serialized(err)
-    spills, regs = _ptxas_report(err)
-    assert spills and all(sp == (0, 0, 0) for sp in spills), f"stack frame / spills: {spills}"
+    _assert_seesaw_build_clean(ptx, capfd)
 
 
 def test_dense_quad_multicast_loads_a_quarter_of_each_sub_tile_into_four(capfd):
@@ -169,13 +176,7 @@ def test_dense_quad_multicast_loads_a_quarter_of_each_sub_tile_into_four(capfd):
     assert re.search(r"mov\.b32\s+(%r\d+), 4;\s*mbarrier\.init\.shared\.b64\s+\[%r\d+\+\d+\], \1;", ptx)
     # Three peers at each of the hand-back sites (pairs: one).
     assert ptx.count("mapa.shared::cluster") >= 3 * 4
-    assert ptx.count("wgmma.mma_async") >= 4 * 36
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    err = capfd.readouterr().err
-    _assert_wgmma_not_serialized(err)
-    spills, regs = _ptxas_report(err)
-    assert spills and all(sp == (0, 0, 0) for sp in spills), f"stack frame / spills: {spills}"
-    assert max(regs) <= 168
+    assert max(_assert_seesaw_build_clean(ptx, capfd)) <= 168
 
 
 @pytest.mark.parametrize("s_q,h_q,causal", [(1, 64, False), (2, 64, True), (3, 64, False)])
