@@ -245,7 +245,7 @@ class DenseSeesawKernel(SeesawConsumer):
             for j in cutlass.range_constexpr(2 * NUM_SUB):
                 cute.arch.mbarrier_init(kv_bar + j, 1)
             if cutlass.const_expr(self.tile_multicast or self.load_warpgroup):
-                # Classic multicast: the peer's hand-back; the loader: this CTA's consumers and the peer's.
+                # Classic multicast: the peer's hand-back; the loader: this CTA's consumers and the peers'.
                 frees = self.cluster_ctas if self.load_warpgroup else 1
                 for j in cutlass.range_constexpr(4):
                     cute.arch.mbarrier_init(storage.free_mbar.data_ptr() + j, frees)

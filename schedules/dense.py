@@ -79,9 +79,8 @@ class DenseDecodeSchedule:
         many clusters (``mla_cute.backend.dense_num_parts``).  Measured on the H200 (docs/performance.md,
         entry 44), s_q = 2, h_q = 128: 1.9-3.4% faster where the busiest part reads 546 tiles (b = 128, 8K;
         b = 64, 16K), 1.1-1.2% at 341 and 410 (5K, 6K), 1.8-2% slower at 273 (b = 128, 4K), 3.4% slower at
-        b = 1, 128K (68).  None (the
-        default): chosen per plan, 4 when the host knows the plan and its busiest part, planned over the 4-CTA
-        clusters' parts, reads at least ``quad_multicast_tiles`` KV tiles, else 2.
+        b = 1, 128K (68).  None (the default): chosen per plan, 4 when the host knows the plan and its busiest
+        part, planned over the 4-CTA clusters' parts, reads at least ``quad_multicast_tiles`` KV tiles, else 2.
     quad_multicast_tiles: with ``multicast_ctas=None``, the fewest tiles the busiest part of a 4-CTA plan must
         read for the plan to take 4-CTA clusters.
     load_warpgroup: seesaw kernel only: a third warpgroup issues every TMA copy (Q, each buffer half's
