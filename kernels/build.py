@@ -65,7 +65,7 @@ def _describe(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) -> str:
             f"page={page} kv_stages={schedule.kv_stages} qk_prefetch={schedule.qk_prefetch} "
             f"kv_evict_first={schedule.kv_evict_first} seesaw={schedule.seesaw} "
             f"cross_term_first={schedule.cross_term_first} tile_multicast={schedule.tile_multicast} "
-            f"cluster_ctas={schedule.cluster_ctas_for(-(-s_q * (h_q // h_kv) // 64), h_q // h_kv, causal)} "
+            f"cluster_ctas={schedule.cluster_ctas_of_call(s_q, h_q, h_kv, causal)} "
             f"load_warpgroup={schedule.load_warpgroup_on()} partials_16bit={schedule.partials_16bit}")
 
 

@@ -91,35 +91,39 @@ def _query_cluster_slots(idx: int, ctas: int, smem_bytes: int, threads: int) -> 
 def dense_plan_schedule(device: torch.device, schedule, s_q: int, h_q: int, h_kv: int, causal: bool,
                         host_lengths=None):
     """``schedule`` with ``multicast_ctas`` decided for the plan of ``host_lengths`` (the requests' lengths on
-    the host; None: a plan the host does not know), and the part count of that plan (``dense_num_parts``)."""
+    the host; None: a plan the host does not know), that plan's part count (``dense_num_parts``), and its
+    ``plan_facts`` (None without the lengths), each plan walked once."""
     from .schedules import plan_facts
 
-    group = h_q // h_kv
-    m_tiles = -(-s_q * group // 64)
-    busiest_quad = None
-    if schedule.multicast_ctas is None and host_lengths is not None:
+    policy = schedule.plan_policy(s_q * (h_q // h_kv))
+    if host_lengths is None:
+        resolved = schedule.multicast_for_plan(None)
+        return resolved, dense_num_parts(device, resolved, s_q, h_q, h_kv, causal), None
+    if schedule.multicast_ctas is None:
         quad = dataclasses.replace(schedule, multicast_ctas=4)
-        if quad.cluster_ctas_for(m_tiles, group, causal) == 4:
+        if quad.cluster_ctas_of_call(s_q, h_q, h_kv, causal) == 4:
             parts = dense_num_parts(device, quad, s_q, h_q, h_kv, causal)
-            _, busiest_quad = plan_facts(host_lengths, parts, 64, *quad.plan_policy(s_q * group))
-    resolved = schedule.multicast_for_plan(busiest_quad)
-    return resolved, dense_num_parts(device, resolved, s_q, h_q, h_kv, causal)
+            facts = plan_facts(host_lengths, parts, 64, *policy)
+            resolved = schedule.multicast_for_plan(facts[1])
+            if resolved.multicast_ctas == 4:
+                return resolved, parts, facts
+    resolved = schedule.multicast_for_plan(None)
+    parts = dense_num_parts(device, resolved, s_q, h_q, h_kv, causal)
+    return resolved, parts, plan_facts(host_lengths, parts, 64, *policy)
 
 
 def dense_num_parts(device: torch.device, schedule, s_q: int, h_q: int, h_kv: int, causal: bool) -> int:
     """The dense kernels' part count: ``schedule.num_sm_parts``, else FlashMLA's rule
     (``num_sm_parts_for``), capped with 4-CTA clusters at the clusters the device holds at once (a
     part is one cluster for each KV head and four M tiles): a plan's parts must all run together."""
-    from .schedules import num_sm_parts_for
+    from .schedules import m_tiles_for, num_sm_parts_for
 
     if schedule.num_sm_parts:
         return schedule.num_sm_parts
     parts = num_sm_parts_for(num_sms(device), s_q, h_q, h_kv)
-    group = h_q // h_kv
-    m_tiles = -(-s_q * group // 64)
-    if schedule.cluster_ctas_for(m_tiles, group, causal) == 4:
-        slots = cluster_slots(device, 4, schedule.smem_bytes(), 384)
-        parts = max(min(parts, slots // (h_kv * m_tiles // 4)), 1)
+    if schedule.cluster_ctas_of_call(s_q, h_q, h_kv, causal) == 4:
+        clusters_per_part = h_kv * m_tiles_for(s_q, h_q, h_kv) // 4
+        parts = max(min(parts, cluster_slots(device, 4, schedule.smem_bytes(), 384) // clusters_per_part), 1)
     return parts
 
 

@@ -15,7 +15,7 @@ from .sparse import (
     SERIAL_SPARSE_SCHEDULE,
     SparseDecodeSchedule,
 )
-from .planner import (RECORD_FIELDS, RECORD_SIZE, num_sm_parts_for, plan_facts, plan_has_split, plan_splits,
+from .planner import (RECORD_FIELDS, RECORD_SIZE, m_tiles_for, num_sm_parts_for, plan_facts, plan_has_split, plan_splits,
                       sparse_lengths, sparse_num_sm_parts_for)
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "SparseDecodeSchedule",
     "RECORD_FIELDS",
     "RECORD_SIZE",
+    "m_tiles_for",
     "num_sm_parts_for",
     "plan_facts",
     "plan_has_split",

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Optional
 
 from .checks import check_bool, check_combine, check_counts, check_kv_stages, check_smem, check_split_policy
-from .planner import split_policy
+from .planner import m_tiles_for, split_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +180,10 @@ class DenseDecodeSchedule:
         if not (self.seesaw and on and m_tiles % 2 == 0 and (not causal or group % 128 == 0)):
             return 1
         return 4 if self.multicast_ctas == 4 and m_tiles % 4 == 0 else 2
+
+    def cluster_ctas_of_call(self, s_q: int, h_q: int, h_kv: int, causal: bool) -> int:
+        """``cluster_ctas_for`` the kernel of a call with ``s_q`` positions, ``h_q`` query and ``h_kv`` KV heads."""
+        return self.cluster_ctas_for(m_tiles_for(s_q, h_q, h_kv), h_q // h_kv, causal)
 
     def multicast_for_plan(self, busiest_tiles_quad: Optional[int]) -> "DenseDecodeSchedule":
         """This schedule with ``multicast_ctas`` decided for a plan whose busiest part, planned over the 4-CTA

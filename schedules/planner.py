@@ -52,10 +52,14 @@ RECORD_FIELDS = (
 RECORD_SIZE = len(RECORD_FIELDS)
 
 
+def m_tiles_for(s_q: int, h_q: int, h_kv: int, block_m: int = 64) -> int:
+    """A KV head's query rows (s_q positions of its h_q / h_kv heads) in ``block_m``-row M tiles."""
+    return math.ceil(s_q * (h_q // h_kv) / block_m)
+
+
 def num_sm_parts_for(num_sms: int, s_q: int, h_q: int, h_kv: int, block_m: int = 64) -> int:
     """FlashMLA's part count: one CTA per SM, each KV head's query rows in ceil(rows/64) tiles."""
-    rows_per_kv_head = s_q * (h_q // h_kv)
-    return max(num_sms // h_kv // math.ceil(rows_per_kv_head / block_m), 1)
+    return max(num_sms // h_kv // m_tiles_for(s_q, h_q, h_kv, block_m), 1)
 
 
 def sparse_num_sm_parts_for(num_sms: int, s_q: int, h_q: int, heads_per_cta: int = 64) -> int:

@@ -652,6 +652,7 @@ def test_quad_multicast_chosen_per_plan():
     """``multicast_ctas=None`` (the default): 4-CTA clusters where the plan over their parts gives the busiest
     part at least ``quad_multicast_tiles`` tiles, pairs otherwise and for a plan the host does not know."""
     from mla_cute.backend import dense_plan_schedule
+    from mla_cute.schedules import plan_facts
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
 
     default = DEFAULT_DENSE_SCHEDULE
@@ -668,7 +669,9 @@ def test_quad_multicast_chosen_per_plan():
     cpu = torch.device("cpu")
 
     def pick(s_q, h_q, lengths, schedule=default):
-        resolved, parts = dense_plan_schedule(cpu, schedule, s_q, h_q, 1, s_q > 1, lengths)
+        resolved, parts, facts = dense_plan_schedule(cpu, schedule, s_q, h_q, 1, s_q > 1, lengths)
+        # The facts are those of the plan chosen (its parts), for the kernel's other per-plan choices.
+        assert facts == (None if lengths is None else plan_facts(lengths, parts, 64, *schedule.plan_policy(s_q * h_q)))
         return resolved.multicast_ctas, parts
 
     # b = 128, s_q = 2: 8K gives a part 546 tiles over 30 clusters, 4K 273.

@@ -17,7 +17,7 @@ import torch
 
 from ..backend import dense_plan_schedule, num_sms
 from ..fp8 import FP8_BYTES_PER_TOKEN
-from ..schedules import plan_facts, plan_has_split, sparse_num_sm_parts_for
+from ..schedules import plan_has_split, sparse_num_sm_parts_for
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.sparse import SparseDecodeSchedule
 
@@ -126,7 +126,7 @@ class DensePlan:
         self.facts = self.q_rows = None
         # ``multicast_ctas=None`` is decided on the lengths (4-CTA clusters for long plans), and with it the
         # part count (4-CTA clusters leave SMs idle).
-        resolved, parts = dense_plan_schedule(q.device, schedule, s_q, h_q, h_kv, causal, host_lengths)
+        resolved, parts, facts = dense_plan_schedule(q.device, schedule, s_q, h_q, h_kv, causal, host_lengths)
         # The step with the combine, for a plan the host does not know, is loaded in any case: a CUDA
         # graph captured later plans on the device and needs it, and nothing can be loaded during a
         # capture.  With the lengths on the host (``host_lengths``, read by the first call's value
@@ -138,8 +138,8 @@ class DensePlan:
                                          with_combine=True)
         rows = s_q * (h_q // h_kv)
         policy = schedule.plan_policy(rows)
-        if host_lengths is not None:
-            split, busiest = plan_facts(host_lengths, parts, 64, *policy)
+        if facts is not None:
+            split, busiest = facts
             chosen = resolved.for_plan(busiest)
             if not split or chosen != self.kernel_schedule:
                 self.kernel_schedule = chosen
@@ -212,8 +212,7 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
     # (``multicast_for_plan``; their busiest part reads at least ``quad_multicast_tiles`` tiles).
     quad_tiles = schedule.quad_multicast_tiles
     quad = schedule.multicast_for_plan(quad_tiles)
-    group = h_q // h_kv
-    if quad.cluster_ctas_for(-(-s_q * group // 64), group, causal and s_q > 1) == 4:
+    if quad.cluster_ctas_of_call(s_q, h_q, h_kv, causal and s_q > 1) == 4:
         kernels += [quad.for_plan(n) for n in counts[1:] + [quad_tiles] if n >= quad_tiles]
     for kernel_schedule in dict.fromkeys(kernels):
         for with_combine in (True, False):  # a plan that splits no request leaves the combine out
