@@ -42,7 +42,7 @@ for name in schedule_list(args.schedules):
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()

@@ -27,23 +27,30 @@ def check(out, lse, ref):
     assert_close_flashmla("lse", lse, ref[1], LSE_ABS, LSE_REL)
 
 
-@pytest.mark.parametrize("s_q,h_q,causal", [(1, 128, False), (2, 64, True)])
-def test_cuda_graph_replays_with_new_inputs(s_q, h_q, causal):
-    """A whole decode step (scheduler, split, combine) captured once, replayed on new q, cache and lengths."""
+@pytest.mark.parametrize("s_q,h_q,causal,clusters", [(1, 128, False, None), (2, 64, True, None), (2, 128, True, 4)])
+def test_cuda_graph_replays_with_new_inputs(s_q, h_q, causal, clusters):
+    """A whole decode step (scheduler, split, combine) captured once, replayed on new q, cache and lengths;
+    ``clusters=4``: the split kernel of 4-CTA clusters (a plan made in a capture takes pairs by default, so the
+    schedule asks for them), its parts capped at the clusters the device holds."""
     import mla_cute
+    from mla_cute.schedules import DenseDecodeSchedule
 
+    sched = DenseDecodeSchedule(multicast_ctas=clusters)
     b, max_len = 16, 3000
     case = make_dense_case(b, s_q, 0, h_q, 1, lengths=[max_len] * b)
     q, k_cache, block_table, seqlens = case["q"], case["k_cache"], case["block_table"], case["cache_seqlens"]
     # Compile outside the capture (module loading is not capturable).
     mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, mla_cute.get_mla_metadata()[0],
-                                    causal=causal)
+                                    causal=causal, schedule=sched)
     torch.cuda.synchronize()
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         meta, _ = mla_cute.get_mla_metadata()
-        out, lse = mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=causal)
+        out, lse = mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=causal,
+                                                   schedule=sched)
+    if clusters:
+        assert meta._state["dense"].kernel_schedule.multicast_ctas == clusters
 
     gen = torch.Generator().manual_seed(3)
     for trial in range(4):
