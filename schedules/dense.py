@@ -78,8 +78,9 @@ class DenseDecodeSchedule:
         only: an H200 runs 30 4-CTA clusters at once (120 of its 132 SMs), so the plan then has at most that
         many clusters (``mla_cute.backend.dense_num_parts``).  Measured on the H200 (docs/performance.md,
         entry 44), s_q = 2, h_q = 128: 1.9-3.4% faster where the busiest part reads 546 tiles (b = 128, 8K;
-        b = 64, 16K), 1.1-1.2% at 341 and 410 (5K, 6K), 1.8-2% slower at 273 (b = 128, 4K), 3.4% slower at
-        b = 1, 128K (68).  None (the default): chosen per plan, 4 when the host knows the plan and its busiest
+        b = 64, 16K), 1.1-1.2% at 341 and 410 (5K, 6K), 0.7% slower at 307 (4608, entry 45), 1.8-2% slower at
+        273 (b = 128, 4K), 3.4% slower at b = 1, 128K (68); h_q = 256, s_q = 1, b = 64: 3.1% faster at 546 (16K),
+        1.6% slower at 273 (8K).  None (the default): chosen per plan, 4 when the host knows the plan and its busiest
         part, planned over the 4-CTA clusters' parts, reads at least ``quad_multicast_tiles`` KV tiles, else 2.
     quad_multicast_tiles: with ``multicast_ctas=None``, the fewest tiles the busiest part of a 4-CTA plan must
         read for the plan to take 4-CTA clusters.
