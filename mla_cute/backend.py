@@ -42,8 +42,10 @@ def num_sms(device: torch.device) -> int:
 
 def cluster_slots(device: torch.device, ctas: int, smem_bytes: int, threads: int) -> int:
     """How many clusters of ``ctas`` CTAs, each with ``smem_bytes`` of dynamic shared memory and ``threads``
-    threads, ``device`` runs at once (cached; ``HOPPER_CLUSTER_SLOTS`` for a CPU device)."""
-    if device.type != "cuda":
+    threads, ``device`` runs at once (cached).  A device without the kernels (the CPU, or a GPU other than SM90,
+    which the reference backend plans for as if it were an H200) gets ``HOPPER_CLUSTER_SLOTS``: the query loads
+    an sm_90a kernel."""
+    if not is_sm90(device):
         return HOPPER_CLUSTER_SLOTS[ctas]
     idx = device.index if device.index is not None else torch.cuda.current_device()
     key = (idx, ctas, smem_bytes, threads)

@@ -648,6 +648,20 @@ def test_quad_multicast_schedule_and_part_count():
     assert dense_num_parts(cpu, DenseDecodeSchedule(multicast_ctas=4, num_sm_parts=12), 2, 128, 1, True) == 12
 
 
+
+def test_cluster_slots_without_the_kernels(monkeypatch):
+    """A GPU other than SM90 (the reference backend plans for it as for an H200) is not asked: the driver query
+    loads an sm_90a kernel, which such a GPU cannot run."""
+    from mla_cute import backend
+
+    def no_query(*args):
+        raise AssertionError("the driver was asked")
+
+    monkeypatch.setattr(backend, "_query_cluster_slots", no_query)
+    monkeypatch.setattr(backend, "is_sm90", lambda device: False)
+    gpu = torch.device("cuda", 0)
+    assert [backend.cluster_slots(gpu, c, 226 * 1024, 384) for c in (1, 2, 4)] == [132, 66, 30]
+
 def test_quad_multicast_chosen_per_plan():
     """``multicast_ctas=None`` (the default): 4-CTA clusters where the plan over their parts gives the busiest
     part at least ``quad_multicast_tiles`` tiles, pairs otherwise and for a plan the host does not know."""
