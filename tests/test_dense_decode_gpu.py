@@ -87,6 +87,19 @@ SCHEDULE_CASES = [
 ]
 
 
+def check_tile_positions(name, dtype, s_q, h_q, h_kv, causal, seed):
+    """The requests of ``PAIR_LENGTHS`` (a last tile at every position of a pair, and splits) with schedule
+    ``name`` of ``_schedules()`` (None: the default), against the reference."""
+    import contextlib
+
+    import mla_cute
+
+    case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, h_q, h_kv, lengths=PAIR_LENGTHS, dtype=dtype,
+                           gen=torch.Generator().manual_seed(seed))
+    with mla_cute.use_schedule(_schedules()[name]) if name else contextlib.nullcontext():
+        run_and_check(case, s_q, causal, reuse=2)
+
+
 TILE_POSITION_SCHEDULES = ["serial", "seesaw", "seesaw_cross_first", "seesaw_cross_last", "seesaw_no_multicast",
                            "seesaw_no_loader", "seesaw_no_loader_cross_last", "seesaw_evict_first",
                            "seesaw_normal_loads"]
@@ -95,12 +108,7 @@ TILE_POSITION_SCHEDULES = ["serial", "seesaw", "seesaw_cross_first", "seesaw_cro
 @pytest.mark.parametrize("name", TILE_POSITION_SCHEDULES)
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", SCHEDULE_CASES)
 def test_schedule_tile_positions(name, dtype, s_q, h_q, h_kv, causal):
-    import mla_cute
-
-    case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, h_q, h_kv, lengths=PAIR_LENGTHS, dtype=dtype,
-                           gen=torch.Generator().manual_seed(s_q * 100 + h_q))
-    with mla_cute.use_schedule(_schedules()[name]):
-        run_and_check(case, s_q, causal, reuse=2)
+    check_tile_positions(name, dtype, s_q, h_q, h_kv, causal, s_q * 100 + h_q)
 
 
 # The kernels that can pair M tiles in a 2-CTA cluster (an even number of M tiles a KV head; causal:
@@ -116,12 +124,7 @@ MULTICAST_CASES = [
 @pytest.mark.parametrize("name", ["seesaw_multicast", "seesaw_no_loader_multicast"])
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", MULTICAST_CASES)
 def test_tile_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal, name):
-    import mla_cute
-
-    case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, h_q, h_kv, lengths=PAIR_LENGTHS, dtype=dtype,
-                           gen=torch.Generator().manual_seed(s_q * 100 + h_q + 7))
-    with mla_cute.use_schedule(_schedules()[name]):
-        run_and_check(case, s_q, causal, reuse=2)
+    check_tile_positions(name, dtype, s_q, h_q, h_kv, causal, s_q * 100 + h_q + 7)
 
 
 # Four M tiles a cluster: one or two query positions a cluster (causal: the cluster's rows end up to s_q - 1
@@ -138,12 +141,7 @@ QUAD_MULTICAST_CASES = [
 
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", QUAD_MULTICAST_CASES)
 def test_quad_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal):
-    import mla_cute
-
-    case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, h_q, h_kv, lengths=PAIR_LENGTHS, dtype=dtype,
-                           gen=torch.Generator().manual_seed(s_q * 100 + h_q + 11))
-    with mla_cute.use_schedule(_schedules()["seesaw_quad_multicast"]):
-        run_and_check(case, s_q, causal, reuse=2)
+    check_tile_positions("seesaw_quad_multicast", dtype, s_q, h_q, h_kv, causal, s_q * 100 + h_q + 11)
 
 
 @pytest.mark.parametrize("s_k,quad", [(16384, True), (4096, False)])
@@ -177,9 +175,7 @@ def test_cluster_slots_on_the_device():
 def test_two_multicast_pairs_per_kv_head(s_q, causal):
     """256 query heads on one KV head: the default pairs M tiles 0-1 and 2-3 (and, at s_q = 2, 4-5 and 6-7)
     into 2-CTA clusters, each pair with its own tiles and hand-backs, the cross term first."""
-    case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, 256, 1, lengths=PAIR_LENGTHS,
-                           gen=torch.Generator().manual_seed(s_q * 100 + 256))
-    run_and_check(case, s_q, causal, reuse=2)
+    check_tile_positions(None, torch.bfloat16, s_q, 256, 1, causal, s_q * 100 + 256)
 
 
 def _grid():
