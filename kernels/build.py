@@ -23,6 +23,11 @@ def _s64():
     return _sym(8, 64)  # 16-byte aligned strides of 16-bit tensors, as TMA needs
 
 
+def _records():
+    """A fake ``[parts, 8]`` table of scheduler records."""
+    return make_fake_compact_tensor(cutlass.Int32, (_sym(), 8), stride_order=(1, 0), assumed_align=16)
+
+
 def _split_io(dtype, b, s_q: int, h_q: int, h_kv: int, partial_dtype=cutlass.Float32):
     """Fake scheduler records and split counts, FlashMLA's out / lse, and the partials (O in
     ``partial_dtype``, lse in fp32): (sched, num_splits, out, lse, o_accum, lse_accum), as every decode
@@ -31,7 +36,7 @@ def _split_io(dtype, b, s_q: int, h_q: int, h_kv: int, partial_dtype=cutlass.Flo
     splits = _sym()
     order4 = (3, 2, 1, 0)
     return (
-        make_fake_compact_tensor(cutlass.Int32, (_sym(), 8), stride_order=(1, 0), assumed_align=16),
+        _records(),
         make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
         make_fake_compact_tensor(dtype, (b, s_q, h_q, D_V), stride_order=order4, assumed_align=16),
         make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4),
@@ -70,33 +75,54 @@ def _describe(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) -> str:
 
 
 def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int,
-                         schedule: DenseDecodeSchedule, options: str = "", *, with_combine: bool = False):
+                         schedule: DenseDecodeSchedule, options: str = "", *, with_combine: bool = False,
+                         fill: bool = False):
     """The compiled dense decode split kernel for these static facts (``with_combine``: split + combine
     behind one host entry, as the runtime calls it).  ``kv_evict_first=None`` (chosen per plan) builds the
-    kernel for a plan the host does not know; the runtime passes ``schedule.for_plan(...)``."""
+    kernel for a plan the host does not know; the runtime passes ``schedule.for_plan(...)``.  ``fill``: a
+    schedule of 4-CTA clusters, built as the idle-SM fill's step (``fill.py``: the clusters' kernel, the
+    pairs' kernel and, ``with_combine``, the combine), which takes the fill parts' records after the
+    clusters' (``mSched``, ``mFillSched``)."""
     schedule.validate()
     schedule = schedule.for_plan(None)
+    causal = causal and s_q > 1
+    if fill and schedule.cluster_ctas_of_call(s_q, h_q, h_kv, causal) != 4:
+        raise ValueError("fill=True needs a schedule of 4-CTA clusters for this shape (multicast_ctas=4 and four M "
+                         "tiles to a cluster)")
     key = dense_decode_key(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) + (options, with_combine)
+    if fill:
+        key += ("fill",)
 
     def build():
         dtype = cutlass_dtype(torch_dtype)
         group = h_q // h_kv
-        kind = DenseSeesawKernel if schedule.seesaw else DenseDecodeKernel
-        kernel = kind(dtype, s_q * group, group, s_q, causal and s_q > 1, page, schedule)
+        combine = None
         if with_combine:
             from .combine import CombineKernel
-            from .dense_step import DenseDecodeStep
 
             combine = CombineKernel(dtype, group, s_q, chunked_batch=schedule.combine_chunked_batch,
                                     spread_partials=schedule.combine_spread_partials,
                                     pdl=schedule.combine_pdl)
-            kernel = DenseDecodeStep(kernel, combine)
+        facts = (dtype, s_q * group, group, s_q, causal, page)
+        if fill:
+            from .fill import DenseDecodeFillStep
+
+            kernel = DenseDecodeFillStep(DenseSeesawKernel(*facts, schedule, fill_role="clusters"),
+                                         DenseSeesawKernel(*facts, schedule.as_pairs(), fill_role="fill"), combine)
+        else:
+            kernel = (DenseSeesawKernel if schedule.seesaw else DenseDecodeKernel)(*facts, schedule)
+            if combine is not None:
+                from .dense_step import DenseDecodeStep
+
+                kernel = DenseDecodeStep(kernel, combine)
         partial = dtype if schedule.partials_16bit else cutlass.Float32
         args = dense_decode_signature(dtype, s_q, h_q, h_kv, page, partial)
+        if fill:  # the fill parts' records: a second table like the first
+            args = args[:5] + (_records(),) + args[5:]
         return cute.compile(kernel, *args, options=compile_options(options))
 
     what = ("dense decode step " if with_combine else "dense decode split kernel ") + _describe(
-        torch_dtype, s_q, h_q, h_kv, causal and s_q > 1, page, schedule)
+        torch_dtype, s_q, h_q, h_kv, causal, page, schedule) + (" with the idle-SM fill" if fill else "")
     return cached_compile(key, build, describe=what, persistent=not options)
 
 
@@ -121,22 +147,29 @@ def compile_combine(torch_dtype, s_q: int, h_q: int, h_kv: int, options: str = "
     return cached_compile(key, build, describe=what, persistent=not options)
 
 
-def compile_scheduler(fixed_cost: int, unsplit_slack: int = 0, even_split_slack: int = 0, options: str = ""):
+def compile_scheduler(fixed_cost: int, unsplit_slack: int = 0, even_split_slack: int = 0, fill_parts: int = 0,
+                      fill_share: int = 16, options: str = ""):
+    """The scheduler kernel for a planner policy (``schedule.plan_policy``, and with fill parts the two more
+    arguments of ``mla_cute.backend.DensePlanChoice.policy``)."""
     from .scheduler import SchedulerKernel
 
     key = ("scheduler", fixed_cost, unsplit_slack, even_split_slack, options)
+    if fill_parts:
+        key += (fill_parts, fill_share)
 
     def build():
         args = (
             make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
-            make_fake_compact_tensor(cutlass.Int32, (_sym(), 8), stride_order=(1, 0), assumed_align=16),
+            _records(),
             make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
             make_fake_stream(use_tvm_ffi_env_stream=True),
         )
-        return cute.compile(SchedulerKernel(fixed_cost, unsplit_slack, even_split_slack), *args,
-                            options=compile_options(options))
+        return cute.compile(SchedulerKernel(fixed_cost, unsplit_slack, even_split_slack, fill_parts, fill_share),
+                            *args, options=compile_options(options))
 
     what = f"scheduler fixed_cost={fixed_cost} unsplit_slack={unsplit_slack} even_split_slack={even_split_slack}"
+    if fill_parts:
+        what += f" fill_parts={fill_parts} fill_share={fill_share}"
     return cached_compile(key, build, describe=what, persistent=not options)
 
 

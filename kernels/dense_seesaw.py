@@ -134,7 +134,7 @@ class DenseSeesawKernel(SeesawConsumer):
     loader_regs = 24
 
     def __init__(self, dtype, rows: int, group: int, s_q: int, causal: bool, page_size: int,
-                 schedule: DenseDecodeSchedule):
+                 schedule: DenseDecodeSchedule, fill_role: str = ""):
         schedule.validate()
         if not schedule.seesaw:
             raise ValueError("DenseSeesawKernel needs a schedule with seesaw=True")
@@ -145,6 +145,12 @@ class DenseSeesawKernel(SeesawConsumer):
         self.cross_term_first = schedule.cross_term_first_for(self.m_tiles, self.tile_multicast)
         self.load_warpgroup = schedule.load_warpgroup_on()
         self.num_threads = 384 if self.load_warpgroup else 256
+        # ``fill_role`` (see ``fill.py``): "clusters" lets the next kernel launch as soon as every CTA has
+        # started; "fill" is that kernel: launched programmatically, each CTA waits for the clusters' grid
+        # before it exits, so a kernel after this one finds both done.
+        if fill_role not in ("", "clusters", "fill"):
+            raise ValueError(f"fill_role must be '', 'clusters' or 'fill', got {fill_role!r}")
+        self.fill_role = fill_role
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -208,6 +214,7 @@ class DenseSeesawKernel(SeesawConsumer):
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
+            use_pdl=self.fill_role == "fill",
             **({"cluster": [1, self.cluster_ctas, 1]} if self.tile_multicast else {}),
         )
 
@@ -258,6 +265,8 @@ class DenseSeesawKernel(SeesawConsumer):
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
+        if cutlass.const_expr(self.fill_role == "clusters"):
+            cute.arch.griddepcontrol_launch_dependents()
 
         # The warpgroup is a compile-time fact of each branch, so each gets its own code.  Every
         # record is built inside its branch: a branch may rebind what it uses.
@@ -283,6 +292,8 @@ class DenseSeesawKernel(SeesawConsumer):
             # with the cluster (with the load warpgroup the last hand-backs arrive on the peer unwaited).
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+        if cutlass.const_expr(self.fill_role == "fill"):
+            cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def run_consumers(self, wg, *args):

@@ -6,7 +6,8 @@ and tiny (b + num_parts steps): one thread does it.  With ``unsplit_slack`` > 0 
 search for a capacity that keeps every request whole adds a pass over the lengths and
 at most a few more (a bisection over ``fixed_cost + unsplit_slack + 1`` capacities), and
 ``even_split_slack`` > 0 a bisection over ``even_split_slack + 1`` capacities for the plan of
-even pieces.
+even pieces.  ``fill_parts`` > 0: the last parts take a share of the others' blocks (the planner's
+fill parts).
 """
 
 from __future__ import annotations
@@ -14,14 +15,20 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
+from ..schedules.planner import FILL_SHARE_ONE
+
 BLOCK_N = 64
 
 
 class SchedulerKernel:
-    def __init__(self, fixed_cost: int, unsplit_slack: int = 0, even_split_slack: int = 0):
+    def __init__(self, fixed_cost: int, unsplit_slack: int = 0, even_split_slack: int = 0, fill_parts: int = 0,
+                 fill_share: int = FILL_SHARE_ONE):
         self.fixed_cost = fixed_cost
-        self.unsplit_slack = unsplit_slack
-        self.even_split_slack = even_split_slack
+        # With fill parts the plan is FlashMLA's walk at weighted payloads (the planner ignores both slacks).
+        self.unsplit_slack = 0 if fill_parts else unsplit_slack
+        self.even_split_slack = 0 if fill_parts else even_split_slack
+        self.fill_parts = fill_parts
+        self.fill_share = fill_share
 
     @cute.jit
     def __call__(self, mSeqlens: cute.Tensor, mSched: cute.Tensor, mNumSplits: cute.Tensor, stream):
@@ -114,6 +121,13 @@ class SchedulerKernel:
                 total += c
                 largest = cutlass.max(largest, c)
             payload = (total + num_parts - 1) // num_parts + fixed
+            fill_payload = payload
+            if cutlass.const_expr(self.fill_parts > 0):
+                # The planner's weighted payloads, in 64 bits (16 x the total may pass 2^31).
+                weight = FILL_SHARE_ONE * (num_parts - self.fill_parts) + self.fill_share * self.fill_parts
+                share = (cutlass.Int64(total) * FILL_SHARE_ONE + weight - 1) // weight
+                payload = cutlass.Int32(share) + fixed
+                fill_payload = cutlass.Int32((share * self.fill_share + FILL_SHARE_ONE - 1) // FILL_SHARE_ONE) + fixed
             # 1: every request is packed whole at capacity ``payload`` (the planner's ``_whole_capacity``).
             whole = cutlass.Int32(0)
             if cutlass.const_expr(self.unsplit_slack > 0):
@@ -145,6 +159,9 @@ class SchedulerKernel:
                 if block != 0:
                     first_split = 1
                 remain = payload
+                if cutlass.const_expr(self.fill_parts > 0):
+                    if part >= num_parts - self.fill_parts:
+                        remain = fill_payload
                 go = req < b
                 while go:
                     blocks = self.last_block(mSeqlens, req) + 1

@@ -403,9 +403,8 @@ def flash_mla_sparse_fwd(
 def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens, causal, schedule,
                              host_lengths) -> None:
     """Give reference users the same metadata tensors the kernels would use."""
-    _, parts, _ = dense_plan_schedule(q.device, schedule, q.shape[1], q.shape[2], k_cache.shape[2], causal, host_lengths)
-    policy = schedule.plan_policy(q.shape[1] * (q.shape[2] // k_cache.shape[2]))
-    records, splits = plan_splits(cache_seqlens, parts, 64, *policy)
+    plan = dense_plan_schedule(q.device, schedule, q.shape[1], q.shape[2], k_cache.shape[2], causal, host_lengths)
+    records, splits = plan_splits(cache_seqlens, plan.parts, 64, *plan.policy)
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -90,34 +90,47 @@ def _query_cluster_slots(idx: int, ctas: int, smem_bytes: int, threads: int) -> 
         ok(cu.cuDevicePrimaryCtxRelease(dev))
 
 
+class DensePlanChoice(NamedTuple):
+    """What a dense plan runs on: the schedule with ``multicast_ctas`` decided, the part count (fill parts
+    included), the last parts that the idle-SM fill's pairs run (``dense_fill_parts``; 0: none), the planner's
+    arguments after the part count (``plan_splits(lengths, parts, 64, *policy)``, ``compile_scheduler(*policy)``),
+    and the plan's ``plan_facts`` (None without the lengths)."""
+
+    schedule: object
+    parts: int
+    fill_parts: int
+    policy: tuple
+    facts: Optional[tuple]
+
+
 def dense_plan_schedule(device: torch.device, schedule, s_q: int, h_q: int, h_kv: int, causal: bool,
-                        host_lengths=None):
-    """``schedule`` with ``multicast_ctas`` decided for the plan of ``host_lengths`` (the requests' lengths on
-    the host; None: a plan the host does not know), that plan's part count (``dense_num_parts``), and its
-    ``plan_facts`` (None without the lengths), each plan walked once."""
+                        host_lengths=None) -> DensePlanChoice:
+    """The ``DensePlanChoice`` for requests of ``host_lengths`` (their lengths on the host; None: a plan the
+    host does not know).  ``multicast_ctas=None`` takes 4-CTA clusters where the busiest part of their plan
+    (without fill parts) reads at least ``quad_multicast_tiles`` tiles."""
     from .schedules import plan_facts
 
     policy = schedule.plan_policy(s_q * (h_q // h_kv))
-    if host_lengths is None:
-        resolved = schedule.multicast_for_plan(None)
-        return resolved, dense_num_parts(device, resolved, s_q, h_q, h_kv, causal), None
-    if schedule.multicast_ctas is None:
+    resolved = schedule.multicast_for_plan(None)
+    if host_lengths is not None and schedule.multicast_ctas is None:
         quad = dataclasses.replace(schedule, multicast_ctas=4)
         if quad.cluster_ctas_of_call(s_q, h_q, h_kv, causal) == 4:
             parts = dense_num_parts(device, quad, s_q, h_q, h_kv, causal)
-            facts = plan_facts(host_lengths, parts, 64, *policy)
-            resolved = schedule.multicast_for_plan(facts[1])
-            if resolved.multicast_ctas == 4:
-                return resolved, parts, facts
-    resolved = schedule.multicast_for_plan(None)
+            resolved = schedule.multicast_for_plan(plan_facts(host_lengths, parts, 64, *policy)[1])
     parts = dense_num_parts(device, resolved, s_q, h_q, h_kv, causal)
-    return resolved, parts, plan_facts(host_lengths, parts, 64, *policy)
+    fill = dense_fill_parts(device, resolved, s_q, h_q, h_kv, causal, parts)
+    if fill:
+        parts += fill
+        policy += (fill, resolved.idle_sm_fill_share)
+    facts = None if host_lengths is None else plan_facts(host_lengths, parts, 64, *policy)
+    return DensePlanChoice(resolved, parts, fill, policy, facts)
 
 
 def dense_num_parts(device: torch.device, schedule, s_q: int, h_q: int, h_kv: int, causal: bool) -> int:
     """The dense kernels' part count: ``schedule.num_sm_parts``, else FlashMLA's rule
     (``num_sm_parts_for``), capped with 4-CTA clusters at the clusters the device holds at once (a
-    part is one cluster for each KV head and four M tiles): a plan's parts must all run together."""
+    part is one cluster for each KV head and four M tiles): a plan's parts must all run together.
+    Without the idle-SM fill's parts (``dense_fill_parts``)."""
     from .schedules import m_tiles_for, num_sm_parts_for
 
     if schedule.num_sm_parts:
@@ -127,6 +140,25 @@ def dense_num_parts(device: torch.device, schedule, s_q: int, h_q: int, h_kv: in
         clusters_per_part = h_kv * m_tiles_for(s_q, h_q, h_kv) // 4
         parts = max(min(parts, cluster_slots(device, 4, schedule.smem_bytes(), 384) // clusters_per_part), 1)
     return parts
+
+
+def dense_fill_parts(device: torch.device, schedule, s_q: int, h_q: int, h_kv: int, causal: bool,
+                     parts: int) -> int:
+    """How many parts of pairs the idle-SM fill (``kernels/fill.py``) adds to a plan of ``parts`` parts of 4-CTA
+    clusters: as many as the SMs those clusters leave hold (a part is a pair for each KV head and two M tiles).
+    0 without ``idle_sm_fill``, with a user's ``num_sm_parts``, or without 4-CTA clusters; and where the device
+    holds fewer pairs than half its SMs (a GPC of an odd SM count: what the clusters leave need not hold
+    whole pairs, and a pair that waits for an SM would run after the clusters)."""
+    from .schedules import m_tiles_for
+
+    if not schedule.idle_sm_fill or schedule.num_sm_parts or schedule.cluster_ctas_of_call(s_q, h_q, h_kv, causal) != 4:
+        return 0
+    sms = num_sms(device)
+    if 2 * cluster_slots(device, 2, schedule.smem_bytes(), 384) != sms:
+        return 0
+    m_tiles = m_tiles_for(s_q, h_q, h_kv)
+    idle = sms - 4 * parts * (h_kv * m_tiles // 4)
+    return max(idle, 0) // (2 * (h_kv * m_tiles // 2))
 
 
 def is_sm90(device: torch.device) -> bool:

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Optional
 
 from .checks import check_bool, check_combine, check_counts, check_kv_stages, check_smem, check_split_policy
-from .planner import m_tiles_for, split_policy
+from .planner import FILL_SHARE_ONE, m_tiles_for, split_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +84,17 @@ class DenseDecodeSchedule:
         part, planned over the 4-CTA clusters' parts, reads at least ``quad_multicast_tiles`` KV tiles, else 2.
     quad_multicast_tiles: with ``multicast_ctas=None``, the fewest tiles the busiest part of a 4-CTA plan must
         read for the plan to take 4-CTA clusters.
+    idle_sm_fill: a plan of 4-CTA clusters also runs pair clusters on the SMs the clusters leave idle (12 on an
+        H200): the last parts of the plan go to a second split kernel of pairs, launched programmatically once
+        every 4-CTA cluster has started, so its pairs take the idle SMs (``kernels/fill.py``).  Each of those
+        parts reads ``idle_sm_fill_share`` sixteenths of the blocks of another part (the planner's
+        ``fill_parts``).  Only where the device's GPCs hold pairs in whatever the clusters leave
+        (``mla_cute.backend.dense_fill_parts``) and ``num_sm_parts`` is None.  Measured on the H200
+        (docs/performance.md, entry 47), s_q = 2, h_q = 128: 3-5% faster at b = 128, 8K and b = 64, 16K
+        (share 11).  False: the 4-CTA clusters alone.
+    idle_sm_fill_share: with ``idle_sm_fill``, a fill part's blocks against another part's, in sixteenths (1 to
+        16): a pair on the idle SMs runs slower than a 4-CTA cluster while both run (16: equal parts, 1-4% slower
+        than 11 in entry 47's runs).
     load_warpgroup: seesaw kernel only: a third warpgroup issues every TMA copy (Q, each buffer half's
         refill, a request's first tiles, the block-table reads before them); the consumer warpgroups only
         hand a freed buffer half back through an mbarrier (with tile multicast: to both CTAs' loaders), so
@@ -137,6 +148,8 @@ class DenseDecodeSchedule:
     tile_multicast: Optional[bool] = None
     multicast_ctas: Optional[int] = None
     quad_multicast_tiles: int = 320
+    idle_sm_fill: bool = True
+    idle_sm_fill_share: int = 11
     load_warpgroup: Optional[bool] = None
     partials_16bit: Optional[bool] = None
     partials_16bit_tiles: int = 32
@@ -196,6 +209,10 @@ class DenseDecodeSchedule:
                 and busiest_tiles_quad >= self.quad_multicast_tiles)
         return dataclasses.replace(self, multicast_ctas=4 if quad else 2)
 
+    def as_pairs(self) -> "DenseDecodeSchedule":
+        """This schedule with pairs for 4-CTA clusters (the idle-SM fill's kernel)."""
+        return dataclasses.replace(self, multicast_ctas=2)
+
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         q = 64 * 576 * elem_bytes
         kv = self.kv_stages * 64 * 576 * elem_bytes
@@ -251,6 +268,10 @@ class DenseDecodeSchedule:
         if self.multicast_ctas is not None and (type(self.multicast_ctas) is not int or self.multicast_ctas not in (2, 4)):
             raise ValueError(f"multicast_ctas must be 2, 4 or None, got {self.multicast_ctas!r}")
         check_counts(self, "quad_multicast_tiles")
+        check_bool("idle_sm_fill", self.idle_sm_fill)
+        if type(self.idle_sm_fill_share) is not int or not 1 <= self.idle_sm_fill_share <= FILL_SHARE_ONE:
+            raise ValueError(f"idle_sm_fill_share must be an int from 1 to {FILL_SHARE_ONE} (sixteenths of a "
+                             f"part's blocks), got {self.idle_sm_fill_share!r}")
         if self.multicast_ctas == 4 and not self.load_warpgroup_on():
             raise ValueError("multicast_ctas=4 needs the load warpgroup (its loader waits for all four CTAs' "
                              "hand-backs); leave load_warpgroup None or set it True")

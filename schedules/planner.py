@@ -25,6 +25,13 @@ up, at which this fits the parts, if that is at most ``payload + even_split_slac
 FlashMLA's plan.  (With no request too long for a part, the even plan is a plan of whole
 requests, at FlashMLA's payload or above.)
 
+Fill parts (``fill_parts`` > 0, ours): the last ``fill_parts`` parts run on CTAs slower than the
+others (pairs on the SMs a plan of 4-CTA clusters leaves idle), so each takes ``fill_share``
+sixteenths of another part's blocks: with weight ``W = 16 * (num_parts - fill_parts) + fill_share
+* fill_parts``, a part's blocks are ``c = ceil(16 * total / W)`` and a fill part's
+``ceil(c * fill_share / 16)``, each plus ``fixed_cost``, walked as FlashMLA's plan (no whole or even
+plan: both slacks are ignored).  With ``fill_share`` 16 it is FlashMLA's plan.
+
 One record per part, 8 x int32 (``RECORD_FIELDS``):
   begin_req, end_req (inclusive), begin_block, end_block (exclusive, in the
   end request), begin_split_idx (split index of begin_req handled by this part),
@@ -50,6 +57,8 @@ RECORD_FIELDS = (
     "pad",
 )
 RECORD_SIZE = len(RECORD_FIELDS)
+# ``fill_share`` is in sixteenths of a part's blocks.
+FILL_SHARE_ONE = 16
 
 
 def m_tiles_for(s_q: int, h_q: int, h_kv: int, block_m: int = 64) -> int:
@@ -89,6 +98,8 @@ def plan_splits(
     fixed_cost: int = 5,
     unsplit_slack: int = 0,
     even_split_slack: int = 0,
+    fill_parts: int = 0,
+    fill_share: int = FILL_SHARE_ONE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan the split-KV work.
 
@@ -101,27 +112,37 @@ def plan_splits(
             nothing (see the module docstring); 0: FlashMLA's plan.
         even_split_slack: how many blocks more than the payload a part may cost in a plan of even pieces
             (see the module docstring); 0: not tried.
+        fill_parts: the last ``fill_parts`` parts (fewer than ``num_parts``) run on slower CTAs (see the module
+            docstring): each takes ``fill_share`` sixteenths (1 to 16) of another part's blocks; both slacks
+            are then ignored.
 
     Returns:
         (records int32 ``[num_parts, 8]``, num_splits int32 ``[b + 1]``), on the CPU.
     """
     lens = _host_lengths(seqlens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack)
-    records, num_splits, _ = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack)
+    _check_fill(num_parts, fill_parts, fill_share)
+    records, num_splits, _ = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack,
+                                   fill_parts, fill_share)
     return torch.tensor(records, dtype=torch.int32).view(num_parts, RECORD_SIZE), torch.tensor(num_splits, dtype=torch.int32)
 
 
 def plan_has_split(seqlens: torch.Tensor, num_parts: int, block_n: int = 64, fixed_cost: int = 5,
-                   unsplit_slack: int = 0, even_split_slack: int = 0) -> bool:
+                   unsplit_slack: int = 0, even_split_slack: int = 0, fill_parts: int = 0,
+                   fill_share: int = FILL_SHARE_ONE) -> bool:
     """Whether ``plan_splits`` (hence the scheduler kernel) splits a request over parts, so a combine must
     merge partials.  Without a split every request's output comes from one part, which writes it."""
-    return plan_facts(seqlens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack)[0]
+    return plan_facts(seqlens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack, fill_parts,
+                      fill_share)[0]
 
 
 def plan_facts(seqlens: torch.Tensor, num_parts: int, block_n: int = 64, fixed_cost: int = 5,
-               unsplit_slack: int = 0, even_split_slack: int = 0) -> tuple[bool, int]:
+               unsplit_slack: int = 0, even_split_slack: int = 0, fill_parts: int = 0,
+               fill_share: int = FILL_SHARE_ONE) -> tuple[bool, int]:
     """(``plan_has_split``, the most KV blocks any one part of ``plan_splits``'s plan reads), from one walk."""
     lens = _host_lengths(seqlens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack)
-    _, num_splits, busiest = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack)
+    _check_fill(num_parts, fill_parts, fill_share)
+    _, num_splits, busiest = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack,
+                                   fill_parts, fill_share)
     return any(b - a > 1 for a, b in zip(num_splits, num_splits[1:])), busiest
 
 
@@ -144,6 +165,13 @@ def _host_lengths(seqlens: torch.Tensor, num_parts: int, block_n: int, fixed_cos
     if min(lens) < 0:
         raise ValueError(f"seqlens must be >= 0, got min {min(lens)}")
     return lens
+
+
+def _check_fill(num_parts: int, fill_parts: int, fill_share: int) -> None:
+    if type(fill_parts) is not int or not 0 <= fill_parts < num_parts:
+        raise ValueError(f"fill_parts must be an int from 0 to num_parts - 1 ({num_parts - 1}), got {fill_parts!r}")
+    if type(fill_share) is not int or not 1 <= fill_share <= FILL_SHARE_ONE:
+        raise ValueError(f"fill_share must be an int from 1 to {FILL_SHARE_ONE}, got {fill_share!r}")
 
 
 def _num_blocks(lens: list, block_n: int) -> list:
@@ -212,7 +240,7 @@ def _smallest(lo: int, hi: int, fits) -> int:
 
 
 def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int,
-          even_split_slack: int) -> tuple[list, list, int]:
+          even_split_slack: int, fill_parts: int = 0, fill_share: int = 16) -> tuple[list, list, int]:
     """The greedy walk: (one record per part as a list, the prefix sums of the split counts, the most blocks
     one part reads).  Plain Python lists: the runtime runs it on a plan's first call, and a tensor per part
     cost about 10 us each."""
@@ -221,10 +249,17 @@ def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_sla
     last_block = [nb - 1 for nb in num_blocks]
     costs = [nb + fixed_cost for nb in num_blocks]
     payload = -(-sum(costs) // num_parts) + fixed_cost
+    fill_payload = payload
+    if fill_parts:
+        # The last ``fill_parts`` parts run on slower CTAs: each gets ``fill_share`` / 16 of a part's blocks.
+        weight = FILL_SHARE_ONE * (num_parts - fill_parts) + fill_share * fill_parts
+        blocks = -(-sum(costs) * FILL_SHARE_ONE // weight)
+        payload = blocks + fixed_cost
+        fill_payload = -(-blocks * fill_share // FILL_SHARE_ONE) + fixed_cost
     whole = even = None
-    if unsplit_slack > 0:
+    if unsplit_slack > 0 and not fill_parts:
         whole = _whole_capacity(costs, num_parts, payload, unsplit_slack)
-    if whole is None and even_split_slack > 0:
+    if whole is None and even_split_slack > 0 and not fill_parts:
         even = _even_capacity(num_blocks, num_parts, fixed_cost, payload, even_split_slack)
     # In both plans a request that does not fit the rest of a part starts the next one; only the even plan
     # cuts requests (those that fit no part whole), into ``pieces[r]`` equal pieces.
@@ -238,10 +273,10 @@ def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_sla
     records = []
     num_splits = [0] * (b + 1)
     req, block, split_idx, cum, busiest = 0, 0, 0, 0, 0
-    for _ in range(num_parts):
+    for part in range(num_parts):
         begin_req, begin_block, begin_split = req, block, split_idx
         first_split = block != 0
-        remain = payload
+        remain = payload if part < num_parts - fill_parts else fill_payload
         while req < b:
             left = num_blocks[req] - block
             if pieces[req] > 1:  # an even piece: alone on a part
@@ -267,7 +302,8 @@ def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_sla
                     remain = 0  # the piece takes the rest of the payload: its blocks and its fixed cost
                 break
         taken = (req - begin_req) + (block > 0)
-        busiest = max(busiest, payload - remain - fixed_cost * taken)
+        spent = (payload if part < num_parts - fill_parts else fill_payload) - remain
+        busiest = max(busiest, spent - fixed_cost * taken)
         if block > 0:
             end_req, end_block = req, block
         else:

@@ -179,6 +179,40 @@ def test_dense_quad_multicast_loads_a_quarter_of_each_sub_tile_into_four(capfd):
     assert max(_assert_seesaw_build_clean(ptx, capfd)) <= 168
 
 
+def test_dense_idle_sm_fill_orders_its_two_split_kernels(capfd):
+    """The idle-SM fill's step (``kernels/fill.py``): the 4-CTA clusters' kernel (mask 0b1111) lets the next
+    kernel launch as each CTA starts, before its first copy; the pairs' kernel (mask 0b11) waits for it after its
+    last cluster barrier; the combine waits as usual; neither split kernel spills.  The step without fill has
+    no programmatic launch in its split kernel."""
+    import dataclasses
+
+    from mla_cute.kernels.build import compile_dense_decode, compile_scheduler
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
+
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, multicast_ctas=4)
+    ptx = compile_dense_decode(torch.bfloat16, 2, 128, 1, True, 64, sched, options=OPTIONS, with_combine=True,
+                               fill=True).__ptx__
+    bodies = ptx.split(".entry")[1:]
+    split = [body for body in bodies if "wgmma.mma_async" in body]
+    assert len(bodies) == 4 and len(split) == 2
+    clusters = next(body for body in split if "griddepcontrol.launch_dependents" in body)
+    fill = next(body for body in split if body is not clusters)
+    assert "griddepcontrol.wait" not in clusters and "griddepcontrol.launch_dependents" not in fill
+    assert clusters.index("griddepcontrol.launch_dependents") < clusters.index("cp.async.bulk.tensor")
+    assert fill.count("griddepcontrol.wait") == 1
+    assert fill.rindex("barrier.cluster.wait") < fill.index("griddepcontrol.wait")
+    for body, mask in ((clusters, "15"), (fill, "3")):
+        assert set(re.findall(r"mov\.b16\s+%rs\d+, (\d+);", body)) == {mask}
+    assert max(_assert_seesaw_build_clean(ptx, capfd)) <= 168
+    plain = compile_dense_decode(torch.bfloat16, 2, 128, 1, True, 64, sched, options=OPTIONS).__ptx__
+    assert "griddepcontrol" not in plain
+    compile_scheduler(5, 16, 16, 3, 11, options=OPTIONS)
+    spills, _ = _ptxas_report(capfd.readouterr().err)
+    assert spills and all(sp == (0, 0, 0) for sp in spills), spills
+    with pytest.raises(ValueError, match="fill=True needs a schedule of 4-CTA clusters"):
+        compile_dense_decode(torch.bfloat16, 2, 128, 1, True, 64, DEFAULT_DENSE_SCHEDULE, fill=True)
+
+
 @pytest.mark.parametrize("s_q,h_q,causal", [(1, 64, False), (2, 64, True), (3, 64, False)])
 def test_dense_tile_multicast_refuses_m_tiles_it_cannot_pair(s_q, h_q, causal):
     """Forced on where the M tiles cannot be paired (one M tile; causal rows of different positions; an

@@ -22,9 +22,11 @@ def recorder(monkeypatch):
 
     calls = {"compile": 0, "steps": [], "scheduler": [], "combine": []}
 
-    def compile_dense_decode(dtype, s_q, h_q, h_kv, causal, page, schedule, options="", *, with_combine=False):
+    def compile_dense_decode(dtype, s_q, h_q, h_kv, causal, page, schedule, options="", *, with_combine=False,
+                             fill=False):
         calls["compile"] += 1
         calls["static"] = (dtype, s_q, h_q, h_kv, causal, page, schedule)
+        calls.setdefault("fill", []).append(fill)
         calls.setdefault("built", []).append((schedule.kv_evict_first, with_combine))
         calls.setdefault("partials", []).append(schedule.partials_16bit)
         calls.setdefault("schedules", []).append(schedule)
@@ -35,9 +37,9 @@ def recorder(monkeypatch):
 
         return step
 
-    def compile_scheduler(fixed_cost, unsplit_slack=0, even_split_slack=0, options=""):
-        return lambda seqlens, sched, splits: calls["scheduler"].append((fixed_cost, unsplit_slack, even_split_slack,
-                                                                         sched.shape, splits.shape))
+    def compile_scheduler(fixed_cost, unsplit_slack=0, even_split_slack=0, fill_parts=0, fill_share=16, options=""):
+        policy = (fixed_cost, unsplit_slack, even_split_slack) + ((fill_parts, fill_share) if fill_parts else ())
+        return lambda seqlens, sched, splits: calls["scheduler"].append((*policy, sched.shape, splits.shape))
 
     monkeypatch.setattr(build, "compile_dense_decode", compile_dense_decode)
     monkeypatch.setattr(build, "compile_scheduler", compile_scheduler)
@@ -131,7 +133,7 @@ def sparse_recorder(monkeypatch):
 
         return step
 
-    def compile_scheduler(fixed_cost, unsplit_slack=0, even_split_slack=0, options=""):
+    def compile_scheduler(fixed_cost, unsplit_slack=0, even_split_slack=0, fill_parts=0, fill_share=16, options=""):
         def run(lengths, sched, splits):
             calls["scheduler"].append(((fixed_cost, unsplit_slack, even_split_slack), lengths.clone(), sched.shape,
                                        splits.shape))
@@ -683,18 +685,54 @@ def test_quad_multicast_chosen_per_plan():
     cpu = torch.device("cpu")
 
     def pick(s_q, h_q, lengths, schedule=default):
-        resolved, parts, facts = dense_plan_schedule(cpu, schedule, s_q, h_q, 1, s_q > 1, lengths)
-        # The facts are those of the plan chosen (its parts), for the kernel's other per-plan choices.
-        assert facts == (None if lengths is None else plan_facts(lengths, parts, 64, *schedule.plan_policy(s_q * h_q)))
-        return resolved.multicast_ctas, parts
+        plan = dense_plan_schedule(cpu, schedule, s_q, h_q, 1, s_q > 1, lengths)
+        # The facts are those of the plan chosen (its parts, fill parts included), for the kernel's other
+        # per-plan choices.
+        assert plan.policy[:3] == schedule.plan_policy(s_q * h_q)
+        assert plan.facts == (None if lengths is None else plan_facts(lengths, plan.parts, 64, *plan.policy))
+        return plan.schedule.multicast_ctas, plan.parts, plan.fill_parts
 
-    # b = 128, s_q = 2: 8K gives a part 546 tiles over 30 clusters, 4K 273.
-    assert pick(2, 128, torch.full((128,), 8192)) == (4, 30)
-    assert pick(2, 128, torch.full((128,), 4096)) == (2, 33)
-    assert pick(2, 128, None) == (2, 33)
-    assert pick(1, 128, torch.full((128,), 32768)) == (2, 66)  # two M tiles: pairs only
-    assert pick(2, 64, torch.full((128,), 32768)) == (2, 66)  # no multicast at 64 heads
-    assert pick(2, 128, torch.full((128,), 8192), dataclasses.replace(default, quad_multicast_tiles=600)) == (2, 33)
+    # b = 128, s_q = 2: 8K gives a part 546 tiles over 30 clusters (and three fill parts), 4K 273.
+    assert pick(2, 128, torch.full((128,), 8192)) == (4, 33, 3)
+    assert pick(2, 128, torch.full((128,), 8192), dataclasses.replace(default, idle_sm_fill=False)) == (4, 30, 0)
+    assert pick(2, 128, torch.full((128,), 4096)) == (2, 33, 0)
+    assert pick(2, 128, None) == (2, 33, 0)
+    assert pick(1, 128, torch.full((128,), 32768)) == (2, 66, 0)  # two M tiles: pairs only
+    assert pick(2, 64, torch.full((128,), 32768)) == (2, 66, 0)  # no multicast at 64 heads
+    assert pick(2, 128, torch.full((128,), 8192), dataclasses.replace(default, quad_multicast_tiles=600)) == (2, 33, 0)
+    # Forced 4-CTA clusters take the fill without the lengths too (the scheduler kernel plans it).
+    assert pick(2, 128, None, DenseDecodeSchedule(multicast_ctas=4)) == (4, 33, 3)
+
+
+def test_idle_sm_fill_parts(monkeypatch):
+    """``dense_fill_parts``: pairs on the SMs a plan of 4-CTA clusters leaves, a part being a pair for each KV
+    head and two M tiles; none without 4-CTA clusters, with ``num_sm_parts``, ``idle_sm_fill=False``, or where
+    the device holds fewer pairs than half its SMs."""
+    from mla_cute import backend
+    from mla_cute.backend import dense_fill_parts, dense_plan_schedule
+    from mla_cute.schedules import DenseDecodeSchedule
+
+    cpu = torch.device("cpu")
+    quad = DenseDecodeSchedule(multicast_ctas=4)
+    assert dense_fill_parts(cpu, quad, 2, 128, 1, True, 30) == 3  # 12 idle SMs, 4 a part
+    assert dense_fill_parts(cpu, quad, 2, 128, 1, True, 29) == 4
+    assert dense_fill_parts(cpu, quad, 4, 128, 1, True, 15) == 1  # 8 M tiles: two clusters a part, 8 SMs a fill part
+    assert dense_fill_parts(cpu, quad, 1, 256, 1, False, 30) == 3
+    assert dense_fill_parts(cpu, quad, 2, 256, 2, True, 15) == 1
+    assert dense_fill_parts(cpu, DenseDecodeSchedule(), 2, 128, 1, True, 33) == 0  # pairs
+    assert dense_fill_parts(cpu, quad, 1, 128, 1, False, 66) == 0  # two M tiles: pairs
+    assert dense_fill_parts(cpu, dataclasses.replace(quad, idle_sm_fill=False), 2, 128, 1, True, 30) == 0
+    assert dense_fill_parts(cpu, dataclasses.replace(quad, num_sm_parts=30), 2, 128, 1, True, 30) == 0
+    plan = dense_plan_schedule(cpu, dataclasses.replace(quad, idle_sm_fill_share=9), 2, 128, 1, True)
+    assert (plan.parts, plan.fill_parts, plan.policy) == (33, 3, (5, 16, 16, 3, 9))
+    # A GPC of an odd SM count: the driver counts fewer pairs than half the SMs.
+    monkeypatch.setattr(backend, "cluster_slots", lambda device, ctas, smem, threads: {2: 65, 4: 30}[ctas])
+    assert dense_fill_parts(cpu, quad, 2, 128, 1, True, 30) == 0
+    for bad in (0, 17, 11.0, True):
+        with pytest.raises(ValueError, match="idle_sm_fill_share must be an int from 1 to 16"):
+            DenseDecodeSchedule(idle_sm_fill_share=bad).validate()
+    with pytest.raises(ValueError, match="idle_sm_fill must be a bool"):
+        DenseDecodeSchedule(idle_sm_fill=1).validate()
 
 
 def test_precompile_sparse_configs(monkeypatch):

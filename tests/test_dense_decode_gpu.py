@@ -65,6 +65,7 @@ def _schedules():
             "seesaw_no_multicast": dataclasses.replace(seesaw, tile_multicast=False),
             # four M tiles a cluster where a KV head has a multiple of four (else pairs)
             "seesaw_quad_multicast": dataclasses.replace(seesaw, tile_multicast=True, multicast_ctas=4),
+            "seesaw_quad_no_fill": dataclasses.replace(seesaw, tile_multicast=True, multicast_ctas=4, idle_sm_fill=False),
             # no load warpgroup (the freeing warp refills) in both step orders, and with tile multicast forced on
             "seesaw_no_loader": dataclasses.replace(seesaw, load_warpgroup=False),
             "seesaw_no_loader_cross_last": dataclasses.replace(seesaw, load_warpgroup=False, cross_term_first=False),
@@ -141,7 +142,13 @@ QUAD_MULTICAST_CASES = [
 
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", QUAD_MULTICAST_CASES)
 def test_quad_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal):
+    """With the idle-SM fill (the default with 4-CTA clusters): the last parts run as pairs."""
     check_tile_positions("seesaw_quad_multicast", dtype, s_q, h_q, h_kv, causal, s_q * 100 + h_q + 11)
+
+
+@pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", QUAD_MULTICAST_CASES[:2] + QUAD_MULTICAST_CASES[3:4])
+def test_quad_multicast_without_fill_tile_positions(dtype, s_q, h_q, h_kv, causal):
+    check_tile_positions("seesaw_quad_no_fill", dtype, s_q, h_q, h_kv, causal, s_q * 100 + h_q + 13)
 
 
 @pytest.mark.parametrize("s_k,quad", [(16384, True), (4096, False)])
@@ -153,6 +160,8 @@ def test_quad_multicast_chosen_per_plan(s_k, quad):
     plan = meta._state["dense"]
     assert plan.kernel_schedule.multicast_ctas == (4 if quad else 2)
     assert plan.schedule.multicast_ctas is None
+    # 4-CTA clusters come with the idle-SM fill (on an H200: 30 clusters, the last three parts as pairs).
+    assert len(plan.records) == (2 if quad else 1)
 
 
 def test_cluster_slots_on_the_device():
@@ -224,12 +233,13 @@ def test_metadata_reuse_and_gpu_scheduler_matches_planner():
     assert torch.equal(meta.num_splits.cpu(), splits)
 
 
-@pytest.mark.parametrize("fixed_cost,slack,even", [(5, 0, 0), (5, 12, 0), (0, 3, 0), (5, 40, 0), (5, 0, 4), (5, 8, 8),
-                                                  (0, 0, 3), (5, 4, 40)])
-def test_gpu_scheduler_matches_planner(fixed_cost, slack, even):
+@pytest.mark.parametrize("fixed_cost,slack,even,fill", [(5, 0, 0, ()), (5, 12, 0, ()), (0, 3, 0, ()), (5, 40, 0, ()),
+                                                       (5, 0, 4, ()), (5, 8, 8, ()), (0, 0, 3, ()), (5, 4, 40, ()),
+                                                       (5, 16, 16, (3, 11)), (0, 0, 0, (1, 1)), (5, 4, 4, (6, 16))])
+def test_gpu_scheduler_matches_planner(fixed_cost, slack, even, fill):
     """The scheduler kernel writes the host planner's records for random, uniform, empty and benchmark
     lengths, with and without the searches for a plan of whole requests (``unsplit_slack``) and of even
-    pieces (``even_split_slack``)."""
+    pieces (``even_split_slack``), and with fill parts (``fill``: their count and share)."""
     from mla_cute.kernels.build import compile_scheduler
     from mla_cute.schedules import plan_has_split, plan_splits
 
@@ -241,17 +251,18 @@ def test_gpu_scheduler_matches_planner(fixed_cost, slack, even):
         n = rng.choice([64, 700, 4096, 20000])
         lens = [n] * b if rng.random() < 0.3 else [rng.randint(0, n) for _ in range(b)]
         cases.append((lens, rng.choice([1, 2, 7, 33, 66, 132])))
-    scheduler = compile_scheduler(fixed_cost, slack, even)
+    scheduler = compile_scheduler(fixed_cost, slack, even, *fill)
     outcomes = set()
     for lens, parts in cases:
+        parts = max(parts, fill[0] + 1) if fill else parts
         seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         records = torch.full((parts, 8), -7, dtype=torch.int32, device="cuda")
         splits = torch.full((len(lens) + 1,), -7, dtype=torch.int32, device="cuda")
         scheduler(seqlens, records, splits)
-        want_records, want_splits = plan_splits(seqlens.cpu(), parts, 64, fixed_cost, slack, even)
+        want_records, want_splits = plan_splits(seqlens.cpu(), parts, 64, fixed_cost, slack, even, *fill)
         assert torch.equal(records.cpu(), want_records), (lens[:8], parts)
         assert torch.equal(splits.cpu(), want_splits), (lens[:8], parts)
-        outcomes.add(plan_has_split(seqlens.cpu(), parts, 64, fixed_cost, slack, even))
+        outcomes.add(plan_has_split(seqlens.cpu(), parts, 64, fixed_cost, slack, even, *fill))
     assert outcomes == {False, True}
 
 

@@ -17,7 +17,7 @@ BLOCK_N = 64
 
 def check_plan(lens, num_parts, fixed_cost, records, num_splits, capacity=None):
     """Assert every documented property of (records, num_splits) for `lens`; ``capacity``: the most a
-    part may cost (default: FlashMLA's payload)."""
+    part may cost, or a list of it per part (default: FlashMLA's payload)."""
     b = len(lens)
     assert records.dtype == torch.int32 and records.shape == (num_parts, len(RECORD_FIELDS))
     assert num_splits.dtype == torch.int32 and num_splits.shape == (b + 1,)
@@ -53,7 +53,8 @@ def check_plan(lens, num_parts, fixed_cost, records, num_splits, capacity=None):
             assert 0 <= start < end <= nblocks[r], f"part {p} request {r}: bad piece [{start}, {end})"
             covered[r].append((start, end))
             cost += end - start + fixed_cost
-        assert cost <= payload, f"part {p} costs {cost} > {payload}"
+        most = payload[p] if isinstance(payload, list) else payload
+        assert cost <= most, f"part {p} costs {cost} > {most}"
         assert f["begin_split_idx"] == len(covered[br]) - 1
         end_whole = (lens[er] == 0) or eb == nblocks[er]
         prev_end = (er + 1, 0) if end_whole else (er, eb)
@@ -242,6 +243,54 @@ def test_accepts_other_int_dtypes():
 def test_rejects_bad_arguments(lens, num_parts, block_n, fixed_cost, slack, even):
     with pytest.raises(ValueError):
         plan_splits(torch.tensor(lens, dtype=torch.int32), num_parts, block_n, fixed_cost, slack, even)
+
+
+# ----------------------------------------------------------------------------- fill parts
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fill_parts_take_their_share(seed):
+    """The last ``fill_parts`` parts cost at most ``fill_share`` sixteenths of another part's blocks (plus
+    the fixed cost), the others at most the weighted payload; both slacks are ignored; share 16 is FlashMLA's
+    plan."""
+    rng = random.Random(300 + seed)
+    for _ in range(40):
+        lens = [rng.randint(0, rng.choice([64, 4096, 20000])) for _ in range(rng.randint(1, 150))]
+        if rng.random() < 0.3:
+            lens = [rng.choice([4096, 8192, 16384])] * rng.randint(1, 150)
+        num_parts = rng.choice([2, 7, 33, 66])
+        fill, share = rng.randint(1, min(num_parts - 1, 6)), rng.randint(1, 16)
+        fixed_cost, slack = rng.choice([0, 5]), rng.choice([0, 16])
+        records, num_splits = plan_splits(torch.tensor(lens), num_parts, BLOCK_N, fixed_cost, slack, slack,
+                                          fill_parts=fill, fill_share=share)
+        total = sum(max(math.ceil(n / BLOCK_N), 1) + fixed_cost for n in lens)
+        blocks = -(-16 * total // (16 * (num_parts - fill) + share * fill))
+        capacity = [blocks + fixed_cost] * (num_parts - fill) + [-(-blocks * share // 16) + fixed_cost] * fill
+        check_plan(lens, num_parts, fixed_cost, records, num_splits, capacity)
+        flash = plan_splits(torch.tensor(lens), num_parts, BLOCK_N, fixed_cost)
+        equal = plan_splits(torch.tensor(lens), num_parts, BLOCK_N, fixed_cost, slack, slack, fill, 16)
+        assert all(torch.equal(a, c) for a, c in zip(flash, equal))
+
+
+def test_fill_parts_on_the_benchmark_row():
+    """b = 128, s_q = 2, 8K over 30 4-CTA clusters and 3 fill parts at share 11: four whole requests (512 tiles)
+    a cluster, the last eight requests over the fill parts (at most 366 tiles each)."""
+    from mla_cute.schedules import plan_facts
+
+    lens = torch.full((128,), 8192)
+    records, _ = plan_splits(lens, 33, BLOCK_N, 5, 16, 16, 3, 11)
+    reads = [sum((e if r == rec[1] else 128) - (b if r == rec[0] else 0) for r in range(rec[0], rec[1] + 1))
+             for rec in records.tolist() for b, e in [(rec[2], rec[3])]]
+    assert reads[:30] == [512] * 30
+    assert all(300 <= n <= 366 for n in reads[30:]), reads[30:]
+    assert sum(reads) == 128 * 128
+    assert plan_facts(lens, 33, BLOCK_N, 5, 16, 16, 3, 11) == (True, max(reads))
+
+
+@pytest.mark.parametrize("fill,share", [(-1, 16), (33, 16), (1.0, 16), (1, 0), (1, 17), (1, 8.0)])
+def test_rejects_bad_fill(fill, share):
+    with pytest.raises(ValueError, match="fill_parts|fill_share"):
+        plan_splits(torch.full((4,), 100), 33, BLOCK_N, 5, 0, 0, fill, share)
 
 
 # ----------------------------------------------------------------------------- whole requests

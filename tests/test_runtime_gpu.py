@@ -31,7 +31,7 @@ def check(out, lse, ref):
 def test_cuda_graph_replays_with_new_inputs(s_q, h_q, causal, clusters):
     """A whole decode step (scheduler, split, combine) captured once, replayed on new q, cache and lengths;
     ``clusters=4``: the split kernel of 4-CTA clusters (a plan made in a capture takes pairs by default, so the
-    schedule asks for them), its parts capped at the clusters the device holds."""
+    schedule asks for them), its parts capped at the clusters the device holds, and the idle-SM fill's pairs."""
     import mla_cute
     from mla_cute.schedules import DenseDecodeSchedule
 
@@ -51,6 +51,8 @@ def test_cuda_graph_replays_with_new_inputs(s_q, h_q, causal, clusters):
                                                    schedule=sched)
     if clusters:
         assert meta._state["dense"].kernel_schedule.multicast_ctas == clusters
+        # With the idle-SM fill: two split kernels, the second a programmatic launch, captured as such.
+        assert len(meta._state["dense"].records) == 2
 
     gen = torch.Generator().manual_seed(3)
     for trial in range(4):

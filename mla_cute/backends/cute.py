@@ -114,7 +114,7 @@ class DensePlan:
     and the facts (``replay_plan``) and q row shape of the last call that passed every check."""
 
     __slots__ = ("schedule", "kernel_schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype",
-                 "facts", "q_rows")
+                 "facts", "q_rows", "records")
 
     def __init__(self, q, k_cache, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens, host_lengths):
         from ..kernels.build import compile_dense_decode
@@ -126,27 +126,34 @@ class DensePlan:
         self.facts = self.q_rows = None
         # ``multicast_ctas=None`` is decided on the lengths (4-CTA clusters for long plans), and with it the
         # part count (4-CTA clusters leave SMs idle).
-        resolved, parts, facts = dense_plan_schedule(q.device, schedule, s_q, h_q, h_kv, causal, host_lengths)
+        plan = dense_plan_schedule(q.device, schedule, s_q, h_q, h_kv, causal, host_lengths)
         # The step with the combine, for a plan the host does not know, is loaded in any case: a CUDA
         # graph captured later plans on the device and needs it, and nothing can be loaded during a
         # capture.  With the lengths on the host (``host_lengths``, read by the first call's value
         # checks; None inside a capture) the host planner tells whether any request is split (if none
         # is, the combine is left out) and how many tiles its busiest part reads (``kv_evict_first=None``
-        # decides the loads' cache policy on it).
+        # decides the loads' cache policy on it).  A plan of 4-CTA clusters with fill parts runs the
+        # idle-SM fill's step (``kernels/fill.py``).
         self.kernel_schedule = schedule.multicast_for_plan(None).for_plan(None)
+        fill = plan.fill_parts > 0
         self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, self.kernel_schedule,
                                          with_combine=True)
         rows = s_q * (h_q // h_kv)
-        policy = schedule.plan_policy(rows)
-        if facts is not None:
-            split, busiest = facts
-            chosen = resolved.for_plan(busiest)
-            if not split or chosen != self.kernel_schedule:
+        if plan.facts is not None or fill:
+            split, busiest = plan.facts if plan.facts is not None else (True, None)
+            chosen = plan.schedule.for_plan(busiest)
+            if not split or chosen != self.kernel_schedule or fill:
                 self.kernel_schedule = chosen
-                self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, chosen, with_combine=split)
+                self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, chosen, with_combine=split,
+                                                 fill=fill)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, cache_seqlens, parts, policy, b, h_kv, rows, q.device, _partial_dtype(self.kernel_schedule, q.dtype)
+            meta, cache_seqlens, plan.parts, plan.policy, b, h_kv, rows, q.device,
+            _partial_dtype(self.kernel_schedule, q.dtype)
         )
+        # The step's records: the clusters' and the fill's tables (views of the metadata's), or the whole table.
+        sched = meta.tile_scheduler_metadata
+        clusters = plan.parts - plan.fill_parts
+        self.records = (sched[:clusters], sched[clusters:]) if fill else (sched,)
 
 
 def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, meta, first,
@@ -168,7 +175,7 @@ def _launch(plan: DensePlan, rows, k_cache, block_table, cache_seqlens, meta, so
     """Allocate the outputs and run the compiled step (split + combine) once."""
     out, lse = _outputs(plan, device)
     plan.step(
-        rows, k_cache, block_table, cache_seqlens, meta.tile_scheduler_metadata, meta.num_splits, out, lse,
+        rows, k_cache, block_table, cache_seqlens, *plan.records, meta.num_splits, out, lse,
         plan.o_accum, plan.lse_accum, softmax_scale * _LOG2_E,
     )
     return out, lse
@@ -210,15 +217,24 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
     kernels = [schedule.multicast_for_plan(None).for_plan(n) for n in counts]
     # And, where the kernel has four M tiles to a cluster, those of plans long enough for 4-CTA clusters
     # (``multicast_for_plan``; their busiest part reads at least ``quad_multicast_tiles`` tiles).
+    # With the idle-SM fill (as this process's GPU, or an H200, allows it) they run as its steps, planned by a
+    # scheduler with fill parts.
     quad_tiles = schedule.quad_multicast_tiles
     quad = schedule.multicast_for_plan(quad_tiles)
-    if quad.cluster_ctas_of_call(s_q, h_q, h_kv, causal and s_q > 1) == 4:
+    causal = causal and s_q > 1
+    fill = None
+    if quad.cluster_ctas_of_call(s_q, h_q, h_kv, causal) == 4:
         kernels += [quad.for_plan(n) for n in counts[1:] + [quad_tiles] if n >= quad_tiles]
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        fill = dense_plan_schedule(device, quad, s_q, h_q, h_kv, causal)
     for kernel_schedule in dict.fromkeys(kernels):
+        with_fill = bool(fill and fill.fill_parts) and kernel_schedule.multicast_ctas == 4
         for with_combine in (True, False):  # a plan that splits no request leaves the combine out
-            compile_dense_decode(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, kernel_schedule,
-                                 with_combine=with_combine)
+            compile_dense_decode(dtype, s_q, h_q, h_kv, causal, page, kernel_schedule, with_combine=with_combine,
+                                 fill=with_fill)
     compile_scheduler(*schedule.plan_policy(s_q * (h_q // h_kv)))
+    if fill and fill.fill_parts:
+        compile_scheduler(*fill.policy)
 
 
 # ---------------------------------------------------------------- sparse FP8 decode
