@@ -80,8 +80,10 @@ class DenseDecodeSchedule:
         entry 44), s_q = 2, h_q = 128: 1.9-3.4% faster where the busiest part reads 546 tiles (b = 128, 8K;
         b = 64, 16K), 1.1-1.2% at 341 and 410 (5K, 6K), 0.7% slower at 307 (4608, entry 45), 1.8-2% slower at
         273 (b = 128, 4K), 3.4% slower at b = 1, 128K (68); h_q = 256, s_q = 1, b = 64: 3.1% faster at 546 (16K),
-        1.6% slower at 273 (8K).  None (the default): chosen per plan, 4 when the host knows the plan and its busiest
-        part, planned over the 4-CTA clusters' parts, reads at least ``quad_multicast_tiles`` KV tiles, else 2.
+        1.6% slower at 273 (8K).  With the idle-SM fill (``idle_sm_fill``, entry 47) 2-4% more where the clusters
+        were faster, 0.9% faster at 307 and 1% slower at 273.  None (the default): chosen per plan, 4 when the host
+        knows the plan and its busiest part, planned over the 4-CTA clusters' parts (without fill parts), reads at
+        least ``quad_multicast_tiles`` KV tiles, else 2.
     quad_multicast_tiles: with ``multicast_ctas=None``, the fewest tiles the busiest part of a 4-CTA plan must
         read for the plan to take 4-CTA clusters.
     idle_sm_fill: a plan of 4-CTA clusters also runs pair clusters on the SMs the clusters leave idle (12 on an
@@ -90,11 +92,11 @@ class DenseDecodeSchedule:
         parts reads ``idle_sm_fill_share`` sixteenths of the blocks of another part (the planner's
         ``fill_parts``).  Only where the device's GPCs hold pairs in whatever the clusters leave
         (``mla_cute.backend.dense_fill_parts``) and ``num_sm_parts`` is None.  Measured on the H200
-        (docs/performance.md, entry 47), s_q = 2, h_q = 128: 3-5% faster at b = 128, 8K and b = 64, 16K
-        (share 11).  False: the 4-CTA clusters alone.
+        (docs/performance.md, entry 47), h_q = 128, s_q = 2, b = 128: 3.8-4.0% faster at 8K, 1.9-2.7% at 5K;
+        b = 64, 16K 1.5-2.1%; h_q = 256, s_q = 1, b = 64, 16K 0-2.3%.  False: the 4-CTA clusters alone.
     idle_sm_fill_share: with ``idle_sm_fill``, a fill part's blocks against another part's, in sixteenths (1 to
-        16): a pair on the idle SMs runs slower than a 4-CTA cluster while both run (16: equal parts, 1-4% slower
-        than 11 in entry 47's runs).
+        16): a pair on the idle SMs runs slower than a 4-CTA cluster while both run (entry 47, 8K: share 13
+        2% slower than 11, 16 and 9 slower still).
     load_warpgroup: seesaw kernel only: a third warpgroup issues every TMA copy (Q, each buffer half's
         refill, a request's first tiles, the block-table reads before them); the consumer warpgroups only
         hand a freed buffer half back through an mbarrier (with tile multicast: to both CTAs' loaders), so
@@ -147,7 +149,7 @@ class DenseDecodeSchedule:
     cross_term_first: Optional[bool] = None
     tile_multicast: Optional[bool] = None
     multicast_ctas: Optional[int] = None
-    quad_multicast_tiles: int = 320
+    quad_multicast_tiles: int = 290
     idle_sm_fill: bool = True
     idle_sm_fill_share: int = 11
     load_warpgroup: Optional[bool] = None

@@ -672,9 +672,9 @@ def test_quad_multicast_chosen_per_plan():
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
 
     default = DEFAULT_DENSE_SCHEDULE
-    assert default.multicast_ctas is None and default.quad_multicast_tiles == 320
+    assert default.multicast_ctas is None and default.quad_multicast_tiles == 290
     assert default.kernel_key() == DenseDecodeSchedule(multicast_ctas=2).kernel_key()
-    picks = {None: 2, 0: 2, 319: 2, 320: 4, 10_000: 4}
+    picks = {None: 2, 0: 2, 289: 2, 290: 4, 10_000: 4}
     for busiest, ctas in picks.items():
         assert default.multicast_for_plan(busiest).multicast_ctas == ctas
     assert DenseDecodeSchedule(load_warpgroup=False).multicast_for_plan(10_000).multicast_ctas == 2
@@ -692,9 +692,10 @@ def test_quad_multicast_chosen_per_plan():
         assert plan.facts == (None if lengths is None else plan_facts(lengths, plan.parts, 64, *plan.policy))
         return plan.schedule.multicast_ctas, plan.parts, plan.fill_parts
 
-    # b = 128, s_q = 2: 8K gives a part 546 tiles over 30 clusters (and three fill parts), 4K 273.
+    # b = 128, s_q = 2: 8K gives a part 546 tiles over 30 clusters (and three fill parts), 4608 307, 4K 273.
     assert pick(2, 128, torch.full((128,), 8192)) == (4, 33, 3)
     assert pick(2, 128, torch.full((128,), 8192), dataclasses.replace(default, idle_sm_fill=False)) == (4, 30, 0)
+    assert pick(2, 128, torch.full((128,), 4608)) == (4, 33, 3)
     assert pick(2, 128, torch.full((128,), 4096)) == (2, 33, 0)
     assert pick(2, 128, None) == (2, 33, 0)
     assert pick(1, 128, torch.full((128,), 32768)) == (2, 66, 0)  # two M tiles: pairs only
