@@ -100,6 +100,28 @@ def test_plan_is_reused_and_keeps_its_schedule(recorder):
                           dataclasses.replace(PREFETCH_DENSE_SCHEDULE, num_sm_parts=4))
 
 
+@pytest.mark.parametrize("known", [True, False])
+def test_idle_sm_fill_step_takes_both_record_tables(recorder, known):
+    """A plan of 4-CTA clusters (forced here) runs the fill's step, which takes the clusters' 30 records and the
+    fill's 3 as two views of the metadata's table; the step loaded first, for a plan the host does not know (a
+    CUDA graph capture), is the fill's too, so a capture loads nothing."""
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.schedules import DenseDecodeSchedule
+
+    sched = DenseDecodeSchedule(multicast_ctas=4)
+    q, k_cache, block_table, seqlens = _inputs(b=2, s_q=2, h_q=128, h_kv=1, page=64)
+    meta = get_mla_metadata()[0]
+    cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, True, meta, True, sched, seqlens if known else None)
+    assert recorder["fill"] == ([True, True] if known else [True])
+    assert recorder["scheduler"] == [(5, 16, 16, 3, 11, (33, 8), (3,))]
+    step_args = recorder["steps"][0]
+    clusters, fill, splits = step_args[4:7]
+    table = meta.tile_scheduler_metadata
+    assert clusters.shape == (30, 8) and fill.shape == (3, 8) and splits is meta.num_splits
+    assert clusters.data_ptr() == table.data_ptr() and fill.data_ptr() == table[30:].data_ptr()
+
+
 def test_h_kv_1_query_rows_are_a_view():
     from mla_cute.backends.cute import query_rows
 

@@ -128,24 +128,24 @@ class DensePlan:
         # part count (4-CTA clusters leave SMs idle).
         plan = dense_plan_schedule(q.device, schedule, s_q, h_q, h_kv, causal, host_lengths)
         # The step with the combine, for a plan the host does not know, is loaded in any case: a CUDA
-        # graph captured later plans on the device and needs it, and nothing can be loaded during a
+        # graph captured later plans on the device and needs it, and nothing should be loaded during a
         # capture.  With the lengths on the host (``host_lengths``, read by the first call's value
         # checks; None inside a capture) the host planner tells whether any request is split (if none
         # is, the combine is left out) and how many tiles its busiest part reads (``kv_evict_first=None``
         # decides the loads' cache policy on it).  A plan of 4-CTA clusters with fill parts runs the
-        # idle-SM fill's step (``kernels/fill.py``).
-        self.kernel_schedule = schedule.multicast_for_plan(None).for_plan(None)
-        fill = plan.fill_parts > 0
+        # idle-SM fill's step (``kernels/fill.py``), a plan the host does not know too.
+        unknown = plan if host_lengths is None else dense_plan_schedule(q.device, schedule, s_q, h_q, h_kv, causal)
+        self.kernel_schedule = unknown.schedule.for_plan(None)
         self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, self.kernel_schedule,
-                                         with_combine=True)
+                                         with_combine=True, fill=unknown.fill_parts > 0)
         rows = s_q * (h_q // h_kv)
-        if plan.facts is not None or fill:
-            split, busiest = plan.facts if plan.facts is not None else (True, None)
+        if plan.facts is not None:
+            split, busiest = plan.facts
             chosen = plan.schedule.for_plan(busiest)
-            if not split or chosen != self.kernel_schedule or fill:
+            if not split or chosen != self.kernel_schedule or plan.fill_parts != unknown.fill_parts:
                 self.kernel_schedule = chosen
                 self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, chosen, with_combine=split,
-                                                 fill=fill)
+                                                 fill=plan.fill_parts > 0)
         self.o_accum, self.lse_accum = _split_workspace(
             meta, cache_seqlens, plan.parts, plan.policy, b, h_kv, rows, q.device,
             _partial_dtype(self.kernel_schedule, q.dtype)
@@ -153,7 +153,7 @@ class DensePlan:
         # The step's records: the clusters' and the fill's tables (views of the metadata's), or the whole table.
         sched = meta.tile_scheduler_metadata
         clusters = plan.parts - plan.fill_parts
-        self.records = (sched[:clusters], sched[clusters:]) if fill else (sched,)
+        self.records = (sched[:clusters], sched[clusters:]) if plan.fill_parts else (sched,)
 
 
 def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, meta, first,
@@ -222,19 +222,19 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
     quad_tiles = schedule.quad_multicast_tiles
     quad = schedule.multicast_for_plan(quad_tiles)
     causal = causal and s_q > 1
-    fill = None
+    quad_plan = None
     if quad.cluster_ctas_of_call(s_q, h_q, h_kv, causal) == 4:
         kernels += [quad.for_plan(n) for n in counts[1:] + [quad_tiles] if n >= quad_tiles]
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        fill = dense_plan_schedule(device, quad, s_q, h_q, h_kv, causal)
+        quad_plan = dense_plan_schedule(device, quad, s_q, h_q, h_kv, causal)
     for kernel_schedule in dict.fromkeys(kernels):
-        with_fill = bool(fill and fill.fill_parts) and kernel_schedule.multicast_ctas == 4
+        with_fill = bool(quad_plan and quad_plan.fill_parts) and kernel_schedule.multicast_ctas == 4
         for with_combine in (True, False):  # a plan that splits no request leaves the combine out
             compile_dense_decode(dtype, s_q, h_q, h_kv, causal, page, kernel_schedule, with_combine=with_combine,
                                  fill=with_fill)
     compile_scheduler(*schedule.plan_policy(s_q * (h_q // h_kv)))
-    if fill and fill.fill_parts:
-        compile_scheduler(*fill.policy)
+    if quad_plan and quad_plan.fill_parts:
+        compile_scheduler(*quad_plan.policy)
 
 
 # ---------------------------------------------------------------- sparse FP8 decode
