@@ -11,6 +11,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor  # noqa: E402
 
 from ..schedules.dense import DenseDecodeSchedule  # noqa: E402
+from ..schedules.planner import FILL_SHARE_ONE  # noqa: E402
 from .dense_decode import D_QK, D_V, DenseDecodeKernel  # noqa: E402
 from .dense_seesaw import DenseSeesawKernel  # noqa: E402
 
@@ -148,7 +149,7 @@ def compile_combine(torch_dtype, s_q: int, h_q: int, h_kv: int, options: str = "
 
 
 def compile_scheduler(fixed_cost: int, unsplit_slack: int = 0, even_split_slack: int = 0, fill_parts: int = 0,
-                      fill_share: int = 16, options: str = ""):
+                      fill_share: int = FILL_SHARE_ONE, options: str = ""):
     """The scheduler kernel for a planner policy (``schedule.plan_policy``, and with fill parts the two more
     arguments of ``mla_cute.backend.DensePlanChoice.policy``)."""
     from .scheduler import SchedulerKernel

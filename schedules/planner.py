@@ -240,7 +240,7 @@ def _smallest(lo: int, hi: int, fits) -> int:
 
 
 def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_slack: int,
-          even_split_slack: int, fill_parts: int = 0, fill_share: int = 16) -> tuple[list, list, int]:
+          even_split_slack: int, fill_parts: int = 0, fill_share: int = FILL_SHARE_ONE) -> tuple[list, list, int]:
     """The greedy walk: (one record per part as a list, the prefix sums of the split counts, the most blocks
     one part reads).  Plain Python lists: the runtime runs it on a plan's first call, and a tensor per part
     cost about 10 us each."""
@@ -276,7 +276,8 @@ def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_sla
     for part in range(num_parts):
         begin_req, begin_block, begin_split = req, block, split_idx
         first_split = block != 0
-        remain = payload if part < num_parts - fill_parts else fill_payload
+        capacity = payload if part < num_parts - fill_parts else fill_payload
+        remain = capacity
         while req < b:
             left = num_blocks[req] - block
             if pieces[req] > 1:  # an even piece: alone on a part
@@ -302,8 +303,7 @@ def _walk(lens: list, num_parts: int, block_n: int, fixed_cost: int, unsplit_sla
                     remain = 0  # the piece takes the rest of the payload: its blocks and its fixed cost
                 break
         taken = (req - begin_req) + (block > 0)
-        spent = (payload if part < num_parts - fill_parts else fill_payload) - remain
-        busiest = max(busiest, spent - fixed_cost * taken)
+        busiest = max(busiest, capacity - remain - fixed_cost * taken)
         if block > 0:
             end_req, end_block = req, block
         else:
