@@ -306,7 +306,7 @@ def test_evict_first_chosen_per_plan(recorder, lengths, parts, evict, combine):
         assert recorder["built"][-1][0] == fixed
 
 
-def test_precompile_loads_both_entries(recorder, sparse_recorder):
+def test_precompile_loads_both_entries(recorder, sparse_recorder, monkeypatch):
     """Whether a plan needs the combine is known only at its first call, so precompiling loads both."""
     from mla_cute.backends import cute
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SparseDecodeSchedule
@@ -321,11 +321,22 @@ def test_precompile_loads_both_entries(recorder, sparse_recorder):
     kinds = list(zip(recorder["built"][2:], recorder["partials"][2:]))
     assert kinds == [((False, True), False), ((False, False), False), ((True, True), False), ((True, False), False),
                      ((True, True), True), ((True, False), True)]
-    # s_q = 2, h_q = 128 (four M tiles): also the 4-CTA cluster kernels of long plans (normal loads, fp32 partials).
-    del recorder["built"][:], recorder["partials"][:], recorder["schedules"][:]
+    # s_q = 2, h_q = 128 (four M tiles): also the 4-CTA cluster kernels of long plans (normal loads, fp32 partials),
+    # as the idle-SM fill's steps, and the scheduler with its fill parts.
+    del recorder["built"][:], recorder["partials"][:], recorder["schedules"][:], recorder["fill"][:]
+    import mla_cute.kernels.build as build
+
+    policies = []
+    monkeypatch.setattr(build, "compile_scheduler", lambda *policy: policies.append(policy))
     cute.precompile_dense(torch.bfloat16, 2, 128, 1, True, 64, DEFAULT_DENSE_SCHEDULE)
     assert len(recorder["built"]) == 8 and recorder["built"][-2:] == [(False, True), (False, False)]
     assert [s.multicast_ctas for s in recorder["schedules"]] == [2] * 6 + [4] * 2
+    assert recorder["fill"] == [False] * 6 + [True] * 2
+    assert policies == [(5, 16, 16), (5, 16, 16, 3, 11)]
+    del recorder["fill"][:]
+    cute.precompile_dense(torch.bfloat16, 2, 128, 1, True, 64, dataclasses.replace(DEFAULT_DENSE_SCHEDULE,
+                                                                                   idle_sm_fill=False))
+    assert recorder["fill"] == [False] * 8
     cute.precompile_sparse(2, 128, False, SparseDecodeSchedule(small_plan_tiles=0))
     assert [x[3].partials_16bit for x in sparse_recorder["compile"]] == [False, False]
     # The small plans' kernels (16-bit partials) too.
