@@ -142,7 +142,8 @@ class DensePlan:
         if plan.facts is not None:
             split, busiest = plan.facts
             chosen = plan.schedule.for_plan(busiest)
-            if not split or chosen != self.kernel_schedule or plan.fill_parts != unknown.fill_parts:
+            # (Equal schedules give equal fill parts: they follow from the schedule and the shape.)
+            if not split or chosen != self.kernel_schedule:
                 self.kernel_schedule = chosen
                 self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, chosen, with_combine=split,
                                                  fill=plan.fill_parts > 0)
