@@ -821,7 +821,8 @@ class TileLoader:
         loader = TileLoader(tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, q_bar, kv_bar, block_table, m_tile, kv_head,
                             free_bar, q_free_bar)
         if cutlass.const_expr(multicast):
-            loader.peer = 1 - rank
+            if cutlass.const_expr(cluster_ctas == 2):
+                loader.peer = 1 - rank
             loader.rank = rank
             loader.free_phase = cute.make_rmem_tensor((2,), cutlass.Int32)
             loader.free_phase.fill(0)
