@@ -110,7 +110,12 @@ def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
 
 
 def _lengths_key(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t._version, tuple(t.shape), t.device)
+    """What identifies a lengths tensor's values between calls without reading them: its storage, shape,
+    device and version counter.  A tensor made under ``torch.inference_mode()`` keeps no version counter
+    (inference engines make theirs so): its key has none, so a reuse with that same tensor is trusted as
+    FlashMLA trusts every reuse.  Whatever the lengths hold then, the kernels read nothing outside the
+    block table and the cache."""
+    return (t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape), t.device)
 
 
 def _check_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, lengths: Optional[torch.Tensor]) -> bool:

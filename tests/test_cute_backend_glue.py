@@ -1067,3 +1067,43 @@ def test_sparse_replay_sees_lengths_written_in_place_schedules_and_the_backend(s
     lengths[1] += 1
     with pytest.raises(ValueError, match="cache_seqlens/topk_length values"):
         _sparse_call(q, k_cache, indices, meta, topk_length=lengths)
+
+
+# ------------------------------------------------------ inference engines' modes
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_dense_call_reuse_and_replay_under_inference_mode(api_on_cute, mode):
+    """Tensors made under ``torch.inference_mode()`` (no version counter): the first call checks, a reuse with
+    the same lengths tensor replays, another lengths tensor with other values is still caught."""
+    from mla_cute.api import get_mla_metadata
+
+    with getattr(torch, mode)():
+        q, k_cache, block_table, seqlens = _inputs(h_kv=1)
+        meta = get_mla_metadata()[0]
+        _call(q, k_cache, block_table, seqlens, meta, causal=True)
+        _call(torch.randn_like(q), k_cache, block_table, seqlens, meta, causal=True)
+        assert api_on_cute["checks"] == 1 and len(api_on_cute["steps"]) == 2, "the second call replays"
+        other = seqlens.clone()
+        other[0] += 1
+        with pytest.raises(ValueError, match="cache_seqlens/topk_length values"):
+            _call(q, k_cache, block_table, other, meta, causal=True)
+        same = seqlens.clone()  # another tensor with equal values: checked, then replayed
+        _call(q, k_cache, block_table, same, meta, causal=True)
+        _call(q, k_cache, block_table, same, meta, causal=True)
+    assert api_on_cute["checks"] == 3 and len(api_on_cute["steps"]) == 4
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_sparse_call_reuse_and_replay_under_inference_mode(sparse_api_on_cute, mode):
+    from mla_cute.api import get_mla_metadata
+
+    with getattr(torch, mode)():
+        q, k_cache, indices = _sparse_inputs()
+        lengths = torch.tensor([0, 70, 128], dtype=torch.int32)
+        meta = get_mla_metadata()[0]
+        _sparse_call(q, k_cache, indices, meta, topk_length=lengths)
+        _sparse_call(torch.randn_like(q), k_cache, indices, meta, topk_length=lengths)
+        assert sparse_api_on_cute["checks"] == 1 and len(sparse_api_on_cute["steps"]) == 2
+        other = lengths.clone()
+        other[1] -= 1
+        with pytest.raises(ValueError, match="cache_seqlens/topk_length values"):
+            _sparse_call(q, k_cache, indices, meta, topk_length=other)
