@@ -7,13 +7,23 @@ cache is keyed on every static fact the generated code depends on.  The disk cac
 compiled kernel under a hash of that key, the DSL version, the target arch and the
 sources of ``kernels/`` and ``schedules/``: a warm start loads it in milliseconds, and any
 edit of a kernel or schedule source invalidates it.  ``MLA_CUTE_DISK_CACHE=0`` disables it.
+
+An entry is ``<name>.o`` plus a sidecar ``<name>.sum`` holding the object's size and sha256.
+Both are written to temporary files and published with ``os.replace``, the sidecar last, and
+the object is checked against the sidecar before it is loaded: an entry whose object or sidecar
+is missing, truncated or altered is reported once (a warning), rebuilt and replaced, never
+loaded.  Temporary files are removed when a write fails, and those of dead writers (older than
+an hour) are swept when the directory is written.  A cache directory that cannot be written
+only costs the persistence (one warning); compiling still works.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -24,6 +34,8 @@ log = logging.getLogger("mla_cute")
 _lock = threading.Lock()
 _cache: Dict[Hashable, Any] = {}
 _source_hash: str | None = None
+_warned: set = set()  # what has been reported once already (bad entries, unwritable directories)
+_STALE_TMP_S = 3600  # a temporary file this old belongs to a writer that died
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -93,28 +105,84 @@ def _disk_name(key: Hashable) -> str:
     return "k" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _load_from_disk(name: str):
-    path = cache_dir() / f"{name}.o"
-    if not path.exists():
-        return None
+def _warn_once(what: Hashable, msg: str, *args) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        log.warning(msg, *args)
+
+
+def _load_module(path: Path, name: str):
+    """The function ``name`` of the exported object ``path`` (the one place that loads; tests replace it)."""
     import cutlass.cute as cute
 
+    return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), name)
+
+
+def _sidecar_text(data: bytes) -> str:
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"
+
+
+def _entry_problem(obj: Path, side: Path) -> str | None:
+    """Why the entry ``obj`` must not be loaded (None when it matches its sidecar ``side``)."""
     try:
-        return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), name)
-    except Exception as exc:  # a truncated or foreign file: recompile
-        log.warning("mla_cute: ignoring unreadable cache entry %s (%s)", path, exc)
+        size, digest = side.read_text().split()
+        size = int(size)
+    except FileNotFoundError:
+        return "its checksum file is missing"
+    except (OSError, ValueError) as exc:
+        return f"its checksum file is unreadable ({exc})"
+    try:
+        data = obj.read_bytes()
+    except OSError as exc:
+        return f"the object is unreadable ({exc})"
+    if len(data) != size:
+        return f"the object has {len(data)} bytes, its checksum file says {size}"
+    if hashlib.sha256(data).hexdigest() != digest:
+        return "the object does not match its checksum"
+    return None
+
+
+def _load_from_disk(name: str):
+    """The cached function ``name``, or None (absent, or bad: then reported once, to be rebuilt)."""
+    obj, side = cache_dir() / f"{name}.o", cache_dir() / f"{name}.sum"
+    if not obj.exists() and not side.exists():
         return None
+    problem = _entry_problem(obj, side)
+    if problem is None:
+        try:
+            return _load_module(obj, name)
+        except Exception as exc:  # a checked object that still does not load (a foreign file): rebuild
+            problem = f"it does not load ({exc})"
+    _warn_once(("entry", str(obj)), "mla_cute: rebuilding the compile cache entry %s: %s", obj, problem)
+    return None
+
+
+def _sweep_stale_tmp(directory: Path) -> None:
+    for tmp in directory.glob("*.tmp.*"):
+        with contextlib.suppress(OSError):  # gone already, or not ours to remove
+            if time.time() - tmp.stat().st_mtime > _STALE_TMP_S:
+                tmp.unlink()
 
 
 def _store_to_disk(name: str, fn) -> None:
+    """Export ``fn`` as the entry ``name``: object, then sidecar, each published with ``os.replace``."""
     directory = cache_dir()
+    token = f"{os.getpid()}.{secrets.token_hex(4)}"
+    tmp_obj, tmp_side = directory / f"{name}.{token}.tmp.o", directory / f"{name}.{token}.tmp.sum"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f"{name}.{os.getpid()}.tmp.o"
-        fn.export_to_c(str(tmp), function_name=name)
-        os.replace(tmp, directory / f"{name}.o")
-    except OSError as exc:
-        log.warning("mla_cute: could not write the compile cache in %s (%s)", directory, exc)
+        _sweep_stale_tmp(directory)
+        fn.export_to_c(str(tmp_obj), function_name=name)
+        tmp_side.write_text(_sidecar_text(tmp_obj.read_bytes()))
+        os.replace(tmp_obj, directory / f"{name}.o")
+        os.replace(tmp_side, directory / f"{name}.sum")
+    except Exception as exc:  # the kernel is compiled and usable; only its persistence failed
+        _warn_once(("store", str(directory)), "mla_cute: could not write the compile cache in %s (%s: %s)",
+                   directory, type(exc).__name__, exc)
+    finally:
+        for tmp in (tmp_obj, tmp_side):
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
 
 class _CurrentStderr(logging.Handler):
