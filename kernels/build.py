@@ -35,13 +35,17 @@ def _split_io(dtype, b, s_q: int, h_q: int, h_kv: int, partial_dtype=cutlass.Flo
     step takes them."""
     rows = s_q * (h_q // h_kv)
     splits = _sym()
-    order4 = (3, 2, 1, 0)
+    # out and the O partials pass 2^31 elements (b = 32768 at h_q = 128): their batch strides are 64-bit, so
+    # every element offset is.  The others are packed.
+    out_batch = _sym(s_q * h_q * D_V, 64)
+    acc_batch = _sym(h_kv * rows * D_V, 64)
     return (
         _records(),
         make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
-        make_fake_compact_tensor(dtype, (b, s_q, h_q, D_V), stride_order=order4, assumed_align=16),
+        make_fake_tensor(dtype, (b, s_q, h_q, D_V), (out_batch, h_q * D_V, D_V, 1), assumed_align=16),
         make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4),
-        make_fake_compact_tensor(partial_dtype, (splits, h_kv, rows, D_V), stride_order=order4, assumed_align=16),
+        make_fake_tensor(partial_dtype, (splits, h_kv, rows, D_V), (acc_batch, rows * D_V, D_V, 1),
+                         assumed_align=16),
         make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16),
     )
 
@@ -163,6 +167,7 @@ def compile_scheduler(fixed_cost: int, unsplit_slack: int = 0, even_split_slack:
             make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
             _records(),
             make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
+            cutlass.Int32(0),
             make_fake_stream(use_tvm_ffi_env_stream=True),
         )
         return cute.compile(SchedulerKernel(fixed_cost, unsplit_slack, even_split_slack, fill_parts, fill_share),

@@ -487,11 +487,14 @@ class WorkSlice:
     begin_block: Any
     end_block: Any
     begin_split: Any
+    max_tiles: Any = None  # the tiles a request may have (dense: those its block-table row covers), or None
 
     @staticmethod
-    def of(mSched, part) -> "WorkSlice":
-        """The record of ``part`` in the scheduler's ``[num_parts, 8]`` table."""
-        return WorkSlice(mSched[part, 0], mSched[part, 1], mSched[part, 2], mSched[part, 3], mSched[part, 4])
+    def of(mSched, part, max_tiles=None) -> "WorkSlice":
+        """The record of ``part`` in the scheduler's ``[num_parts, 8]`` table.  ``max_tiles``: no request is
+        served past that many tiles, whatever the lengths or the records hold."""
+        return WorkSlice(mSched[part, 0], mSched[part, 1], mSched[part, 2], mSched[part, 3], mSched[part, 4],
+                         max_tiles)
 
     @cute.jit
     def clamp(self, req):
@@ -501,13 +504,17 @@ class WorkSlice:
 
     @cute.jit
     def blocks(self, req, seqlen):
-        """KV tiles [first, last) of request ``req`` that this CTA serves."""
+        """KV tiles [first, last) of request ``req`` that this CTA serves: never past ``seqlen`` nor
+        ``max_tiles``, so lengths changed after the plan was made (or beyond the block table) read nothing
+        outside the table."""
         first = cutlass.Int32(0)
         if req == self.begin_req:
             first = self.begin_block
         last = (seqlen + BLOCK_N - 1) // BLOCK_N
         if req == self.end_req:
-            last = self.end_block
+            last = cutlass.min(last, self.end_block)
+        if cutlass.const_expr(self.max_tiles is not None):
+            last = cutlass.min(last, self.max_tiles)
         return first, last
 
 

@@ -221,7 +221,7 @@ class DenseDecodeKernel(SplitKVConsumer):
         cute.arch.sync_threads()
 
         sQ, sK, sV, sP = operand_tiles(storage, sQ_layout, sK_layout, sV_layout, sP_layout)
-        work = WorkSlice.of(mSched, part)
+        work = WorkSlice.of(mSched, part, mBlockTable.shape[1] * self.tiles_per_page)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)

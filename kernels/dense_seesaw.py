@@ -284,7 +284,7 @@ class DenseSeesawKernel(SeesawConsumer):
                     loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar,
                                              mBlockTable, m_tile, kv_head, self.cluster_ctas,
                                              storage.free_mbar.data_ptr(), storage.q_free_mbar.data_ptr())
-                    self.produce(loader, mSeqlens, WorkSlice.of(mSched, part), m_tile)
+                    self.produce(loader, mSeqlens, self.work_slice(mSched, mBlockTable, part), m_tile)
         else:
             self.run_consumers(wg, *consumer_args)
         if cutlass.const_expr(self.tile_multicast):
@@ -330,8 +330,13 @@ class DenseSeesawKernel(SeesawConsumer):
             issuer=0,
         )
         view = self.seesaw_view(make_seesaw_mmas(self.dtype), sQ, sK, sV, sP0, kv_bar, wg, tidx % 128)
-        self.serve(view, sMax, sScale, sSum, loader, mSeqlens, WorkSlice.of(mSched, part), outs, staged,
+        self.serve(view, sMax, sScale, sSum, loader, mSeqlens, self.work_slice(mSched, mBlockTable, part), outs, staged,
                    scale_log2, m_tile, kv_head, tidx, wg)
+
+    def work_slice(self, mSched, mBlockTable, part):
+        """This CTA's record, its requests served no further than their block-table rows reach (the loader
+        and the consumers alike)."""
+        return WorkSlice.of(mSched, part, mBlockTable.shape[1] * self.tiles_per_page)
 
     # ------------------------------------------------------------- request loop
     @cute.jit

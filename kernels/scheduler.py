@@ -8,9 +8,16 @@ at most a few more (a bisection over ``fixed_cost + unsplit_slack + 1`` capaciti
 ``even_split_slack`` > 0 a bisection over ``even_split_slack + 1`` capacities for the plan of
 even pieces.  ``fill_parts`` > 0: the last parts take a share of the others' blocks (the planner's
 fill parts).
+
+It plans the lengths as the split kernels serve them: each within ``[0, max_len]`` (the tokens a
+block-table row covers; sparse: topk), read at an index within ``[0, b)``, so whatever a lengths
+tensor holds, the records and split counts stay within the workspace.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import cutlass
 import cutlass.cute as cute
@@ -18,6 +25,21 @@ import cutlass.cute as cute
 from ..schedules.planner import FILL_SHARE_ONE
 
 BLOCK_N = 64
+
+
+@dataclasses.dataclass
+class ClampedLengths:
+    """The lengths tensor as the planner reads it: ``lens[i]`` within [0, max_len], ``i`` at least 0."""
+
+    lens: Any
+    max_len: Any
+
+    @property
+    def shape(self):
+        return self.lens.shape
+
+    def __getitem__(self, i):
+        return cutlass.min(cutlass.max(self.lens[cutlass.max(i, 0)], 0), self.max_len)
 
 
 class SchedulerKernel:
@@ -31,8 +53,9 @@ class SchedulerKernel:
         self.fill_share = fill_share
 
     @cute.jit
-    def __call__(self, mSeqlens: cute.Tensor, mSched: cute.Tensor, mNumSplits: cute.Tensor, stream):
-        self.kernel(mSeqlens, mSched, mNumSplits).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+    def __call__(self, mSeqlens: cute.Tensor, mSched: cute.Tensor, mNumSplits: cute.Tensor, max_len: cutlass.Int32,
+                 stream):
+        self.kernel(mSeqlens, mSched, mNumSplits, max_len).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
 
     @cute.jit
     def last_block(self, mSeqlens, req):
@@ -107,8 +130,9 @@ class SchedulerKernel:
         return lo
 
     @cute.kernel
-    def kernel(self, mSeqlens, mSched, mNumSplits):
+    def kernel(self, mLens, mSched, mNumSplits, max_len):
         tidx, _, _ = cute.arch.thread_idx()
+        mSeqlens = ClampedLengths(mLens, max_len)
         fixed = self.fixed_cost
         if tidx == 0:
             b = mSeqlens.shape[0]

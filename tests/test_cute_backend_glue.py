@@ -39,7 +39,7 @@ def recorder(monkeypatch):
 
     def compile_scheduler(fixed_cost, unsplit_slack=0, even_split_slack=0, fill_parts=0, fill_share=16, options=""):
         policy = (fixed_cost, unsplit_slack, even_split_slack) + ((fill_parts, fill_share) if fill_parts else ())
-        return lambda seqlens, sched, splits: calls["scheduler"].append((*policy, sched.shape, splits.shape))
+        return lambda seqlens, sched, splits, max_len: calls["scheduler"].append((*policy, sched.shape, splits.shape))
 
     monkeypatch.setattr(build, "compile_dense_decode", compile_dense_decode)
     monkeypatch.setattr(build, "compile_scheduler", compile_scheduler)
@@ -156,7 +156,7 @@ def sparse_recorder(monkeypatch):
         return step
 
     def compile_scheduler(fixed_cost, unsplit_slack=0, even_split_slack=0, fill_parts=0, fill_share=16, options=""):
-        def run(lengths, sched, splits):
+        def run(lengths, sched, splits, max_len):
             calls["scheduler"].append(((fixed_cost, unsplit_slack, even_split_slack), lengths.clone(), sched.shape,
                                        splits.shape))
 

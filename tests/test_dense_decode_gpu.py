@@ -258,7 +258,7 @@ def test_gpu_scheduler_matches_planner(fixed_cost, slack, even, fill):
         seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         records = torch.full((parts, 8), -7, dtype=torch.int32, device="cuda")
         splits = torch.full((len(lens) + 1,), -7, dtype=torch.int32, device="cuda")
-        scheduler(seqlens, records, splits)
+        scheduler(seqlens, records, splits, max(lens) if lens else 0)
         want_records, want_splits = plan_splits(seqlens.cpu(), parts, 64, fixed_cost, slack, even, *fill)
         assert torch.equal(records.cpu(), want_records), (lens[:8], parts)
         assert torch.equal(splits.cpu(), want_splits), (lens[:8], parts)

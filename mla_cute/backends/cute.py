@@ -66,10 +66,11 @@ def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool) -> None:
         raise NotImplementedError("k_cache needs a contiguous last dimension, 16-byte aligned base and strides")
 
 
-def _split_workspace(meta, lengths, parts: int, policy: tuple, b: int, h_kv: int, rows: int, device,
+def _split_workspace(meta, lengths, max_len: int, parts: int, policy: tuple, b: int, h_kv: int, rows: int, device,
                      partial_dtype=torch.float32):
-    """Run the GPU scheduler (``policy``: the planner's fixed cost and slacks, in blocks) over ``lengths`` into
-    the metadata, and allocate the partials (O in ``partial_dtype``, lse in fp32).
+    """Run the GPU scheduler (``policy``: the planner's fixed cost and slacks, in blocks) over ``lengths``, each
+    taken within [0, ``max_len``], into the metadata, and allocate the partials (O in ``partial_dtype``, lse in
+    fp32).
 
     At most one partial per request plus one extra per part (a part splits at most one request).
     """
@@ -77,7 +78,7 @@ def _split_workspace(meta, lengths, parts: int, policy: tuple, b: int, h_kv: int
 
     sched = torch.empty(parts, 8, dtype=torch.int32, device=device)
     splits = torch.empty(b + 1, dtype=torch.int32, device=device)
-    compile_scheduler(*policy)(lengths, sched, splits)
+    compile_scheduler(*policy)(lengths, sched, splits, max_len)
     meta.tile_scheduler_metadata, meta.num_splits = sched, splits
     o_accum = torch.empty(b + parts, h_kv, rows, 512, dtype=partial_dtype, device=device)
     lse_accum = torch.empty(b + parts, h_kv, rows, dtype=torch.float32, device=device)
@@ -116,7 +117,8 @@ class DensePlan:
     __slots__ = ("schedule", "kernel_schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype",
                  "facts", "q_rows", "records")
 
-    def __init__(self, q, k_cache, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens, host_lengths):
+    def __init__(self, q, k_cache, block_table, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens,
+                 host_lengths):
         from ..kernels.build import compile_dense_decode
 
         schedule.validate()
@@ -148,7 +150,7 @@ class DensePlan:
                 self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, chosen, with_combine=split,
                                                  fill=plan.fill_parts > 0)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, cache_seqlens, plan.parts, plan.policy, b, h_kv, rows, q.device,
+            meta, cache_seqlens, block_table.shape[1] * page, plan.parts, plan.policy, b, h_kv, rows, q.device,
             _partial_dtype(self.kernel_schedule, q.dtype)
         )
         # The step's records: the clusters' and the fill's tables (views of the metadata's), or the whole table.
@@ -163,7 +165,8 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, 
     leaves out the combine if it splits no request), else None."""
     plan = _reused_plan(meta, "dense", first, schedule)
     if plan is None:
-        plan = meta._state["dense"] = DensePlan(q, k_cache, causal, schedule, meta, cache_seqlens, host_lengths)
+        plan = meta._state["dense"] = DensePlan(q, k_cache, block_table, causal, schedule, meta, cache_seqlens,
+                                                host_lengths)
     rows = query_rows(q, plan.h_kv)
     # With one KV head the rows are a plain view of q when the strides allow (same storage): a
     # replay of this call (``replay_plan``) then only re-views.  Grouped heads reorder, so they
@@ -280,7 +283,7 @@ class SparsePlan:
             self.step = compile_sparse_decode(s_q, h_q, has_sink, chosen, with_combine=False, has_topk_length=False)
         lengths = (topk_length if given else torch.full((b,), topk, dtype=torch.int32, device=q.device)).clamp(1, topk)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, lengths, parts, policy, b, 1, s_q * h_q, q.device, _partial_dtype(chosen, q.dtype)
+            meta, lengths, topk, parts, policy, b, 1, s_q * h_q, q.device, _partial_dtype(chosen, q.dtype)
         )
 
 
