@@ -26,6 +26,7 @@ from .schedules import (
 
 _SCHEDULE_TYPES = (DenseDecodeSchedule, SparseDecodeSchedule)
 _DEFAULT_SCALE = D_QK ** -0.5
+_INF = float("inf")
 _DEFAULTS = {DenseDecodeSchedule: DEFAULT_DENSE_SCHEDULE, SparseDecodeSchedule: DEFAULT_SPARSE_SCHEDULE}
 _schedule_override: contextvars.ContextVar[dict] = contextvars.ContextVar("mla_cute_schedules", default={})
 
@@ -164,6 +165,22 @@ def _bind_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, le
         meta._lengths_copy = lengths.clone()
 
 
+@contextlib.contextmanager
+def _unbind_on_error(meta: FlashMLASchedMeta, first: bool):
+    """A first call that fails after its checks (and the binding) leaves the metadata empty again, as
+    ``get_mla_metadata()`` made it, so the next call computes it afresh instead of inheriting a half-filled one."""
+    if not first:
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        fresh = FlashMLASchedMeta()
+        for f in dataclasses.fields(FlashMLASchedMeta):
+            setattr(meta, f.name, getattr(fresh, f.name))
+        raise
+
+
 def flash_mla_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -204,7 +221,9 @@ def flash_mla_with_kvcache(
         block_table and cache_seqlens may be None.
     Common:
         head_dim_v: must be 512.  tile_scheduler_metadata: from :func:`get_mla_metadata`.
-        num_splits: must be None.  softmax_scale: default ``576 ** -0.5``.
+        num_splits: must be None.  softmax_scale: default ``576 ** -0.5``; a finite float > 0
+            (an int, a numpy number or a 0-dim tensor is read with ``float()``; a bool is refused).
+        causal: a bool (a numpy bool too; an int such as 1 is refused).
         extra_k_cache / extra_indices_in_kvcache / extra_topk_length: FlashMLA's MODEL1
             extra pool, not supported (NotImplementedError when given).
         backend: ``"cute"`` or ``"reference"`` (keyword only; default by device, or the
@@ -217,6 +236,8 @@ def flash_mla_with_kvcache(
         out ``[b, s_q, h_q, 512]`` (q dtype) and lse ``[b, h_q, s_q]`` float32, natural
         log; a query with nothing to attend has out 0 and lse +inf.
     """
+    if type(causal) is not bool:  # a numpy bool becomes a bool; anything else is a TypeError (before any work)
+        causal = V.check_causal(causal)
     if (num_splits is None and extra_k_cache is None and extra_indices_in_kvcache is None
             and extra_topk_length is None and type(tile_scheduler_metadata) is FlashMLASchedMeta
             and tile_scheduler_metadata._replay is not None):
@@ -238,13 +259,7 @@ def flash_mla_with_kvcache(
     ):
         if val is not None:
             raise NotImplementedError(f"{name} (FlashMLA's MODEL1 extra KV pool) is not supported by mla-cute")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if softmax_scale is None:
-        softmax_scale = _DEFAULT_SCALE
-    elif not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
-    softmax_scale = float(softmax_scale)
+    softmax_scale = _DEFAULT_SCALE if softmax_scale is None else V.check_scale("softmax_scale", softmax_scale)
 
     if indices is None:
         for name, val in (("attn_sink", attn_sink), ("topk_length", topk_length)):
@@ -267,16 +282,19 @@ def flash_mla_with_kvcache(
             if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                 host_lengths = V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
             _bind_metadata(tile_scheduler_metadata, config, cache_seqlens)
-        causal = causal and q.shape[1] > 1
-        if kind == "reference":
-            if first:
-                _fill_reference_metadata(tile_scheduler_metadata, q, k_cache, cache_seqlens, causal, sched, host_lengths)
-            cache = dequantize_kv_cache(k_cache) if is_fp8_kvcache else k_cache
-            return reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, causal, head_dim_v)
-        out, lse = cute.dense_decode(
-            q, k_cache, block_table, cache_seqlens, softmax_scale, causal, tile_scheduler_metadata, first, sched,
-            host_lengths,
-        )
+        masked = causal and q.shape[1] > 1  # the mask (causal is ignored when s_q == 1)
+        with _unbind_on_error(tile_scheduler_metadata, first):
+            if kind == "reference":
+                if first:
+                    _fill_reference_metadata(tile_scheduler_metadata, q, k_cache, cache_seqlens, masked, sched,
+                                             host_lengths)
+                cache = dequantize_kv_cache(k_cache) if is_fp8_kvcache else k_cache
+                return reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, masked, head_dim_v)
+            out, lse = cute.dense_decode(
+                q, k_cache, block_table, cache_seqlens, softmax_scale, masked, tile_scheduler_metadata, first, sched,
+                host_lengths,
+            )
+        # The facts hold the argument as given (the replay compares it), not the mask.
         tile_scheduler_metadata._replay = cute.replay_plan(
             tile_scheduler_metadata, q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcache)
         return out, lse
@@ -297,13 +315,14 @@ def flash_mla_with_kvcache(
     first = _check_metadata(tile_scheduler_metadata, config, topk_length)
     if first:
         _bind_metadata(tile_scheduler_metadata, config, topk_length)
-    if kind == "reference":
-        if first:
-            _fill_sparse_reference_metadata(tile_scheduler_metadata, q, indices.shape[-1], topk_length, sched)
-        return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v)
-    out, lse = cute.sparse_decode(
-        q, k_cache, indices, topk_length, attn_sink, softmax_scale, tile_scheduler_metadata, first, sched,
-    )
+    with _unbind_on_error(tile_scheduler_metadata, first):
+        if kind == "reference":
+            if first:
+                _fill_sparse_reference_metadata(tile_scheduler_metadata, q, indices.shape[-1], topk_length, sched)
+            return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v)
+        out, lse = cute.sparse_decode(
+            q, k_cache, indices, topk_length, attn_sink, softmax_scale, tile_scheduler_metadata, first, sched,
+        )
     tile_scheduler_metadata._replay = cute.replay_sparse_plan(
         tile_scheduler_metadata, q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
         causal, is_fp8_kvcache)
@@ -358,12 +377,16 @@ def _replay_sparse(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, sof
 
 
 def _replay_scale(softmax_scale) -> Optional[float]:
-    """A replayed call's scale; None when the checked path must judge it."""
+    """A replayed call's scale, converted as the checked path converts it (``validation.check_scale``);
+    None when the checked path must judge it (and report the error)."""
+    if type(softmax_scale) is float:  # the usual case, first and cheap
+        return softmax_scale if 0.0 < softmax_scale < _INF else None
     if softmax_scale is None:
         return _DEFAULT_SCALE
-    if type(softmax_scale) not in (float, int) or not softmax_scale > 0:
+    try:
+        return V.check_scale("softmax_scale", softmax_scale)
+    except (TypeError, ValueError):
         return None
-    return float(softmax_scale)
 
 
 def _replay_schedule_and_backend(plan, schedule, kind: type, backend) -> bool:
@@ -389,19 +412,20 @@ def flash_mla_sparse_fwd(
     """Sparse prefill attention.
 
     q: ``[s_q, h_q, 576]`` bf16; kv: ``[s_kv, 1, 576]`` bf16; indices: int32
-    ``[s_q, 1, topk]`` (valid when ``0 <= index < s_kv``); sm_scale: softmax scale;
-    d_v: must be 512; attn_sink: float32 ``[h_q]``; topk_length: int32 ``[s_q]``.
+    ``[s_q, 1, topk]`` (valid when ``0 <= index < s_kv``); sm_scale: softmax scale, a finite
+    float > 0 (as ``softmax_scale`` of :func:`flash_mla_with_kvcache`); d_v: must be 512;
+    attn_sink: float32 ``[h_q]``; topk_length: int32 ``[s_q]``.  s_q, h_q and s_kv must be >= 1
+    (FlashMLA's kernel cannot run an empty s_q either).
 
     Returns (out ``[s_q, h_q, 512]`` bf16, max_logits ``[s_q, h_q]`` float32 (max of
     scaled scores, -inf when nothing is valid), lse ``[s_q, h_q]`` float32, natural
     log, +inf when nothing is valid).
     """
     V.check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length)
-    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
-        raise ValueError(f"sm_scale must be a positive float, got {sm_scale!r}")
+    sm_scale = V.check_scale("sm_scale", sm_scale)
     kind = select_backend(q.device, backend)
     if kind == "reference":
-        return reference.sparse_prefill(q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
+        return reference.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
     raise NotImplementedError("sparse prefill has no 'cute' kernel yet; pass backend='reference'")
 
 

@@ -6,6 +6,8 @@ wrong type or dtype, ValueError for a wrong value, shape or device.
 
 from __future__ import annotations
 
+import numbers
+import sys
 from typing import Optional
 
 import torch
@@ -14,6 +16,64 @@ from .fp8 import D_LATENT, D_QK, FP8_BYTES_PER_TOKEN
 
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8, torch.int8)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+DEVICE_TYPES = ("cpu", "cuda")
+_INF = float("inf")
+
+
+def type_name(value) -> str:
+    """The name of ``value``'s type as an error shows it: ``float``, ``numpy.bool``, ``torch.Tensor``."""
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__.split('.')[0]}.{t.__qualname__}"
+
+
+def _is_numpy_bool(value) -> bool:
+    np = sys.modules.get("numpy")  # a numpy bool exists only once numpy is imported
+    return np is not None and isinstance(value, np.bool_)
+
+
+def check_causal(causal) -> bool:
+    """``causal`` as a Python bool: a bool or a numpy bool; anything else (an int such as 1 too) is a TypeError."""
+    if type(causal) is bool:
+        return causal
+    if _is_numpy_bool(causal):
+        return bool(causal)
+    raise TypeError(f"causal must be a bool, got {type_name(causal)}")
+
+
+def check_scale(name: str, value) -> float:
+    """A softmax scale as a finite positive Python float.
+
+    Takes what FlashMLA's float argument takes: a float or int, a numpy number, a 0-dim tensor (read
+    with ``float()``: a CUDA one syncs).  A bool (Python or numpy, or a bool tensor) is not a scale.
+    """
+    if type(value) is float:
+        v = value
+    elif isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must be a float or a 0-dim real tensor, got a {value.dtype} tensor "
+                            f"of shape {list(value.shape)}")
+        if value.device.type not in DEVICE_TYPES:
+            raise ValueError(f"{name} must be a float or a CPU/CUDA 0-dim tensor, got one on device {value.device}")
+        v = float(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy numbers included
+        try:
+            v = float(value)
+        except OverflowError:  # an int too large for a float
+            v = _INF
+    else:
+        raise TypeError(f"{name} must be a positive finite float, got {type_name(value)}")
+    if not 0.0 < v < _INF:  # False for nan too
+        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
+    return v
+
+
+def check_device(name: str, t: torch.Tensor) -> None:
+    """Only CPU and CUDA tensors: other devices (meta, mps, ...) have no backend."""
+    if t.device.type not in DEVICE_TYPES:
+        raise ValueError(
+            f"{name} is on device {t.device}, which mla-cute does not support: use CPU tensors (the 'reference' "
+            "backend) or CUDA tensors (the 'cute' kernels on an SM90 GPU; backend='reference' on other GPUs)"
+        )
 
 
 def check_tensor(name: str, t, *, dim: Optional[int] = None, dtypes: Optional[tuple] = None) -> None:
@@ -40,6 +100,7 @@ def check_same_device(ref_name: str, ref: torch.Tensor, **others) -> None:
 def check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache) -> None:
     """Shapes, dtypes and devices of a dense decode call (no tensor values read)."""
     check_tensor("q", q, dim=4, dtypes=HALF_DTYPES)
+    check_device("q", q)
     b, s_q, h_q, d = q.shape
     if d != D_QK:
         raise ValueError(f"q must have head_dim {D_QK} (512 latent + 64 RoPE), got {d}")
@@ -119,9 +180,12 @@ def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v,
     if causal:
         raise ValueError("causal must be False when indices is given (sparse decode)")
     check_tensor("q", q, dim=4, dtypes=(torch.bfloat16,))
+    check_device("q", q)
     b, s_q, h_q, d = q.shape
     if d != D_QK:
         raise ValueError(f"q must have head_dim {D_QK}, got {d}")
+    if b < 1 or s_q < 1 or h_q < 1:
+        raise ValueError(f"q must have batch, s_q and h_q >= 1, got shape {list(q.shape)}")
     if head_dim_v != D_LATENT:
         raise ValueError(f"head_dim_v must be {D_LATENT}, got {head_dim_v}")
     check_tensor("k_cache", k_cache, dim=4, dtypes=FP8_CACHE_DTYPES)
@@ -129,6 +193,8 @@ def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v,
         raise ValueError(
             f"k_cache must have shape [num_blocks, page_block_size, 1, {FP8_BYTES_PER_TOKEN}], got {list(k_cache.shape)}"
         )
+    if k_cache.shape[0] < 1 or k_cache.shape[1] < 1:
+        raise ValueError(f"k_cache must have num_blocks >= 1 and page_block_size >= 1, got shape {list(k_cache.shape)}")
     check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))
     if tuple(indices.shape[:2]) != (b, s_q) or indices.shape[2] < 1:
         raise ValueError(f"indices must have shape [batch_size={b}, s_q={s_q}, topk>=1], got {list(indices.shape)}")
@@ -138,14 +204,20 @@ def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v,
 
 def check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length) -> None:
     check_tensor("q", q, dim=3, dtypes=(torch.bfloat16,))
+    check_device("q", q)
     s_q, h_q, d = q.shape
     if d != D_QK:
         raise ValueError(f"q must have head_dim {D_QK}, got {d}")
+    if s_q < 1 or h_q < 1:
+        # FlashMLA cannot run these either (its TMA descriptors and grid need s_q >= 1, and h_q is 64 or 128).
+        raise ValueError(f"q must have s_q and h_q >= 1, got shape {list(q.shape)}")
     if d_v != D_LATENT:
         raise ValueError(f"d_v must be {D_LATENT}, got {d_v}")
     check_tensor("kv", kv, dim=3, dtypes=(torch.bfloat16,))
     if kv.shape[1] != 1 or kv.shape[2] != D_QK:
         raise ValueError(f"kv must have shape [s_kv, 1, {D_QK}], got {list(kv.shape)}")
+    if kv.shape[0] < 1:
+        raise ValueError(f"kv must have s_kv >= 1 tokens, got shape {list(kv.shape)}")
     check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))
     if indices.shape[0] != s_q or indices.shape[1] != 1 or indices.shape[2] < 1:
         raise ValueError(f"indices must have shape [s_q={s_q}, 1, topk>=1], got {list(indices.shape)}")

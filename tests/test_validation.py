@@ -1,8 +1,12 @@
 """Every bad input is rejected before any work, with an error that names the argument.
 
-Wrong device cannot be produced on a CPU-only machine, so it is not covered here.
+A wrong CUDA device cannot be produced on a CPU-only machine; devices with no backend are covered with
+``meta`` tensors.
 """
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +16,13 @@ D_QK, D_V = 576, 512
 
 
 # ----------------------------------------------------------------------------- valid baselines
+
+_META = "q is on device meta, which mla-cute does not support: use CPU tensors"
+
+
+def _on_meta(args, *names):
+    """The tensors `names` of a call moved to the meta device (no backend), and the default backend choice."""
+    return {**{n: args[n].to("meta") for n in names}, "backend": None}
 
 
 def dense_args(**over):
@@ -130,9 +141,20 @@ DENSE_CASES = {
     "block_id_past_num_blocks": (lambda a: dict(block_table=_bt([[0, 1], [4, 3]])), ValueError, r"block_table\[1, 0\] = 4"),
     "block_id_negative": (lambda a: dict(block_table=_bt([[-1, 1], [2, 3]])), ValueError, r"block_table\[0, 0\] = -1"),
     "block_id_huge_in_used_entry": (lambda a: dict(block_table=_bt([[0, 1], [2, 2147480000]])), ValueError, r"block_table\[1, 1\]"),
+    "s_q_0": (lambda a: dict(q=a["q"][:, :0]), ValueError, "q must have batch, s_q and h_q >= 1"),
+    "h_q_0": (lambda a: dict(q=a["q"][:, :, :0]), ValueError, "q must have batch, s_q and h_q >= 1"),
+    "k_cache_0_blocks": (lambda a: dict(k_cache=a["k_cache"][:0]), ValueError, "k_cache must have num_blocks >= 1"),
+    "q_on_meta": (lambda a: _on_meta(a, "q", "k_cache", "block_table", "cache_seqlens"), ValueError, _META),
     "softmax_scale_zero": (lambda a: dict(softmax_scale=0.0), ValueError, "softmax_scale"),
     "softmax_scale_negative": (lambda a: dict(softmax_scale=-0.1), ValueError, "softmax_scale"),
+    **{f"softmax_scale_{k}": (lambda a, v=v: dict(softmax_scale=v), e, "softmax_scale") for k, (v, e) in {
+        "inf": (math.inf, ValueError), "nan": (math.nan, ValueError), "np_inf": (np.float32("inf"), ValueError),
+        "tensor_nan": (torch.tensor(math.nan), ValueError), "true": (True, TypeError),
+        "np_bool": (np.bool_(True), TypeError), "str": ("0.1", TypeError),
+        "tensor_1d": (torch.tensor([0.1]), TypeError), "bool_tensor": (torch.tensor(True), TypeError),
+    }.items()},
     "causal_not_bool": (lambda a: dict(causal=1), TypeError, "causal must be a bool"),
+    "causal_numpy_int": (lambda a: dict(causal=np.int64(1)), TypeError, "causal must be a bool, got numpy.int64"),
     # arguments that do not belong to the dense path
     "num_splits_given": (lambda a: dict(num_splits=torch.zeros(3, dtype=torch.int32)), ValueError, "num_splits must be None"),
     "attn_sink_on_dense": (lambda a: dict(attn_sink=torch.zeros(4)), ValueError, "attn_sink is only valid"),
@@ -325,6 +347,17 @@ SPARSE_CASES = {
     "extra_k_cache": (lambda a: dict(extra_k_cache=a["k_cache"]), NotImplementedError, "extra_k_cache"),
     "metadata_not_schedmeta": (lambda a: dict(tile_scheduler_metadata=object()), TypeError, "tile_scheduler_metadata"),
     "backend_unknown": (lambda a: dict(backend="torch"), ValueError, "backend must be one of"),
+    # empty shapes (each reached the planner or torch before)
+    "empty_batch": (lambda a: dict(q=a["q"][:0], indices=a["indices"][:0]), ValueError, "q must have batch"),
+    "s_q_0": (lambda a: dict(q=a["q"][:, :0], indices=a["indices"][:, :0]), ValueError, "q must have batch, s_q"),
+    "h_q_0": (lambda a: dict(q=a["q"][:, :, :0]), ValueError, "q must have batch, s_q and h_q >= 1"),
+    "k_cache_0_blocks": (lambda a: dict(k_cache=a["k_cache"][:0]), ValueError, "k_cache must have num_blocks >= 1"),
+    "page_block_size_0": (lambda a: dict(k_cache=a["k_cache"][:, :0]), ValueError, "page_block_size >= 1"),
+    "q_on_meta": (lambda a: _on_meta(a, "q", "k_cache", "indices"), ValueError, _META),
+    "softmax_scale_inf": (lambda a: dict(softmax_scale=math.inf), ValueError, "softmax_scale"),
+    "softmax_scale_nan": (lambda a: dict(softmax_scale=math.nan), ValueError, "softmax_scale"),
+    "softmax_scale_false": (lambda a: dict(softmax_scale=False), TypeError, "softmax_scale"),
+    "causal_str": (lambda a: dict(causal="no"), TypeError, "causal must be a bool, got str"),
 }
 
 
@@ -357,8 +390,17 @@ PREFILL_CASES = {
     "indices_wrong_s_q": (lambda a: dict(indices=a["indices"][:2]), ValueError, "indices must have shape"),
     "indices_two_heads": (lambda a: dict(indices=a["indices"].repeat(1, 2, 1)), ValueError, "indices must have shape"),
     "d_v_576": (lambda a: dict(d_v=576), ValueError, "d_v must be 512"),
+    "s_q_0": (lambda a: dict(q=a["q"][:0], indices=a["indices"][:0]), ValueError, "q must have s_q and h_q >= 1"),
+    "h_q_0": (lambda a: dict(q=a["q"][:, :0]), ValueError, "q must have s_q and h_q >= 1"),
+    "s_kv_0": (lambda a: dict(kv=a["kv"][:0]), ValueError, "kv must have s_kv >= 1"),
+    "q_on_meta": (lambda a: _on_meta(a, "q", "kv", "indices"), ValueError, _META),
+    "q_on_meta_reference": (lambda a: {**_on_meta(a, "q", "kv", "indices"), "backend": "reference"}, ValueError, _META),
     "sm_scale_zero": (lambda a: dict(sm_scale=0.0), ValueError, "sm_scale"),
-    "sm_scale_none": (lambda a: dict(sm_scale=None), ValueError, "sm_scale"),
+    "sm_scale_negative": (lambda a: dict(sm_scale=-1), ValueError, "sm_scale"),
+    "sm_scale_inf": (lambda a: dict(sm_scale=math.inf), ValueError, "sm_scale"),
+    "sm_scale_nan": (lambda a: dict(sm_scale=np.float64("nan")), ValueError, "sm_scale"),
+    "sm_scale_true": (lambda a: dict(sm_scale=True), TypeError, "sm_scale"),
+    "sm_scale_none": (lambda a: dict(sm_scale=None), TypeError, "sm_scale"),
     "topk_length_wrong_shape": (lambda a: dict(topk_length=_lens([1, 2])), ValueError, "topk_length must have shape"),
     "topk_length_int64": (lambda a: dict(topk_length=_lens([1, 2, 3], torch.int64)), TypeError, "topk_length"),
     "attn_sink_wrong_shape": (lambda a: dict(attn_sink=torch.zeros(3)), ValueError, "attn_sink must have shape"),
@@ -390,3 +432,211 @@ def test_sparse_schedule_argument():
     with pytest.raises(TypeError, match="DenseDecodeSchedule"):
         mla_cute.flash_mla_with_kvcache(**dense_args(tile_scheduler_metadata=mla_cute.get_mla_metadata()[0]),
                                         schedule=SparseDecodeSchedule())
+
+
+# ----------------------------------------------------------------------------- scales and causal FlashMLA accepts
+
+SCALES = {
+    "np_float32": np.float32(0.25), "np_float64": np.float64(0.3), "tensor": torch.tensor(0.2),
+    "tensor_float64": torch.tensor(0.15, dtype=torch.float64), "int": 1, "np_int": np.int32(1),
+}
+
+
+@pytest.mark.parametrize("path", ["dense", "sparse", "prefill"])
+@pytest.mark.parametrize("kind", list(SCALES))
+def test_scale_accepted_as_float(path, kind):
+    """A numpy number or a 0-dim tensor counts as the float it holds (FlashMLA reads one with float())."""
+    scale = SCALES[kind]
+    if path == "prefill":
+        got, want = (mla_cute.flash_mla_sparse_fwd(**prefill_args(sm_scale=s)) for s in (scale, float(scale)))
+    else:
+        make = dense_args if path == "dense" else sparse_args
+        got, want = (mla_cute.flash_mla_with_kvcache(**make(softmax_scale=s)) for s in (scale, float(scale)))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_causal_numpy_bool_is_a_bool(value):
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 2, 4, D_QK, generator=gen).bfloat16()  # s_q = 2: causal matters
+    got = mla_cute.flash_mla_with_kvcache(**dense_args(q=q, causal=np.bool_(value)))
+    want = mla_cute.flash_mla_with_kvcache(**dense_args(q=q, causal=value))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+META_CALLS = {
+    "dense": (mla_cute.flash_mla_with_kvcache, dense_args, ("q", "k_cache", "block_table", "cache_seqlens")),
+    "sparse": (mla_cute.flash_mla_with_kvcache, sparse_args, ("q", "k_cache", "indices")),
+    "prefill": (mla_cute.flash_mla_sparse_fwd, prefill_args, ("q", "kv", "indices")),
+}
+
+
+@pytest.mark.parametrize("path", list(META_CALLS))
+def test_device_checked_before_backend_selection(path, monkeypatch):
+    """A device with no backend is named with the supported ones, before backend selection (whose torch.cuda
+    queries raised "Torch not compiled with CUDA enabled")."""
+    import mla_cute.api as api
+
+    def select(*a, **k):
+        raise AssertionError("backend selection ran before the device check")
+
+    monkeypatch.setattr(api, "select_backend", select)
+    call, make, names = META_CALLS[path]
+    base = make()
+    with pytest.raises(ValueError, match=_META + r".*CUDA tensors \(the 'cute' kernels on an SM90 GPU"):
+        call(**{**base, **_on_meta(base, *names)})
+    other = names[1]  # q on the CPU, another tensor on meta
+    with pytest.raises(ValueError, match=f"{other} must be on the same device as q"):
+        call(**{**base, other: base[other].to("meta")})
+
+
+# ----------------------------------------------------------------------------- metadata after a rejected call
+
+BAD_SPARSE_CALLS = {name: SPARSE_CASES[name] for name in (
+    "empty_batch", "s_q_0", "h_q_0", "k_cache_0_blocks", "page_block_size_0", "q_on_meta", "softmax_scale_inf",
+    "indices_topk_0", "causal_str")}
+BAD_DENSE_CALLS = {name: DENSE_CASES[name] for name in (
+    "empty_batch", "s_q_0", "h_q_0", "k_cache_0_blocks", "q_on_meta", "softmax_scale_inf", "softmax_scale_nan",
+    "causal_numpy_int")}
+BAD_CALLS = {**{("sparse", k): (sparse_args, v) for k, v in BAD_SPARSE_CALLS.items()},
+             **{("dense", k): (dense_args, v) for k, v in BAD_DENSE_CALLS.items()}}
+
+
+@pytest.mark.parametrize("key", list(BAD_CALLS), ids="-".join)
+def test_rejected_first_call_leaves_metadata_empty(key):
+    """A first call that fails its checks does not bind the metadata (a b=0 sparse call used to bind it to b=0)."""
+    make_args, (bad, exc, match) = BAD_CALLS[key]
+    meta = mla_cute.get_mla_metadata()[0]
+    base = make_args(tile_scheduler_metadata=meta)
+    with pytest.raises(exc, match=match):
+        mla_cute.flash_mla_with_kvcache(**{**base, **bad(base)})
+    assert not meta.have_initialized and meta.config is None
+    out, lse = mla_cute.flash_mla_with_kvcache(**make_args(tile_scheduler_metadata=meta))
+    assert meta.config.b == out.shape[0] == 2 and meta.tile_scheduler_metadata is not None
+
+
+@pytest.mark.parametrize("key", list(BAD_CALLS), ids="-".join)
+def test_rejected_later_call_keeps_metadata(key):
+    make_args, (bad, exc, match) = BAD_CALLS[key]
+    meta = mla_cute.get_mla_metadata()[0]
+    want = mla_cute.flash_mla_with_kvcache(**make_args(tile_scheduler_metadata=meta))
+    config, records, splits = meta.config, meta.tile_scheduler_metadata, meta.num_splits
+    base = make_args(tile_scheduler_metadata=meta)
+    with pytest.raises(exc, match=match):
+        mla_cute.flash_mla_with_kvcache(**{**base, **bad(base)})
+    assert meta.config == config and meta.tile_scheduler_metadata is records and meta.num_splits is splits
+    got = mla_cute.flash_mla_with_kvcache(**make_args(tile_scheduler_metadata=meta))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+def test_first_call_failing_after_its_checks_unbinds_metadata(path, monkeypatch):
+    """Work that fails after the binding (a kernel, the planner) leaves the metadata as get_mla_metadata made it."""
+    from mla_cute.backends import reference
+
+    name, make_args = ("dense_decode", dense_args) if path == "dense" else ("sparse_decode_fp8", sparse_args)
+    real = getattr(reference, name)
+
+    def fail(*a, **k):
+        raise RuntimeError("the backend failed")
+
+    monkeypatch.setattr(reference, name, fail)
+    meta = mla_cute.get_mla_metadata()[0]
+    with pytest.raises(RuntimeError, match="the backend failed"):
+        mla_cute.flash_mla_with_kvcache(**make_args(tile_scheduler_metadata=meta))
+    assert meta == mla_cute.get_mla_metadata()[0]
+    monkeypatch.setattr(reference, name, real)
+    args = make_args(tile_scheduler_metadata=meta)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(args["q"].shape[0], 1, 32, D_QK, generator=gen).bfloat16()  # another h_q than the failed call
+    mla_cute.flash_mla_with_kvcache(**{**args, "q": q})
+    assert meta.config.h_q == 32
+
+
+# ----------------------------------------------------------------------------- the replay fast path
+
+@pytest.fixture
+def on_cute(monkeypatch):
+    """The public API on the cute backend over CPU tensors, its kernels replaced by recorders of their
+    scale argument (the last one), counting the full path's checks."""
+    import mla_cute.api as api
+    import mla_cute.kernels.build as build
+
+    calls = {"scales": [], "checks": 0}
+
+    def compile_kernel(*a, **k):
+        return lambda *args: calls["scales"].append(args[-1])
+
+    monkeypatch.setattr(build, "compile_dense_decode", compile_kernel)
+    monkeypatch.setattr(build, "compile_sparse_decode", compile_kernel)
+    monkeypatch.setattr(build, "compile_scheduler", lambda *a, **k: lambda *args: None)
+    monkeypatch.setattr(api, "select_backend", lambda device, backend=None: "cute")
+    for check in ("check_dense", "check_sparse_decode"):
+        def counted(*args, _real=getattr(api.V, check)):
+            calls["checks"] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(api.V, check, counted)
+    return calls
+
+
+def _cute_args(path):
+    """A call the cute backend takes; replays need the same tensors (the lengths above all) on every call."""
+    gen = torch.Generator().manual_seed(6)
+    meta = mla_cute.get_mla_metadata()[0]
+    if path == "dense":
+        return dense_args(tile_scheduler_metadata=meta, backend=None)
+    q = torch.randn(2, 1, 64, D_QK, generator=gen).bfloat16()
+    return sparse_args(q=q, indices=torch.randint(0, 128, (2, 1, 64), generator=gen, dtype=torch.int32),
+                       tile_scheduler_metadata=meta, backend=None)
+
+
+REPLAY_BAD_SCALES = {
+    "inf": (math.inf, ValueError), "nan": (math.nan, ValueError), "negative": (-0.5, ValueError),
+    "np_inf": (np.float64("inf"), ValueError), "np_nan": (np.float32("nan"), ValueError),
+    "tensor_inf": (torch.tensor(math.inf), ValueError), "true": (True, TypeError),
+    "np_true": (np.bool_(True), TypeError),
+    "tensor_1d": (torch.tensor([0.5]), TypeError), "str": ("0.5", TypeError), "huge_int": (10 ** 400, ValueError),
+}
+
+
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+@pytest.mark.parametrize("kind", list(REPLAY_BAD_SCALES))
+def test_replay_never_accepts_a_bad_scale(on_cute, path, kind):
+    value, exc = REPLAY_BAD_SCALES[kind]
+    args = _cute_args(path)
+    mla_cute.flash_mla_with_kvcache(**args)
+    mla_cute.flash_mla_with_kvcache(**args)
+    assert args["tile_scheduler_metadata"]._replay is not None and on_cute["checks"] == 1, "the second call replays"
+    with pytest.raises(exc, match="softmax_scale"):
+        mla_cute.flash_mla_with_kvcache(**args, softmax_scale=value)
+    assert len(on_cute["scales"]) == 2, "no launch"
+    mla_cute.flash_mla_with_kvcache(**args)  # the metadata still replays
+    assert len(on_cute["scales"]) == 3 and on_cute["checks"] == 1
+
+
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+@pytest.mark.parametrize("kind", list(SCALES))
+def test_replay_converts_scales_as_the_checked_path(on_cute, path, kind):
+    value = SCALES[kind]
+    args = _cute_args(path)
+    mla_cute.flash_mla_with_kvcache(**{**args, "tile_scheduler_metadata": mla_cute.get_mla_metadata()[0]},
+                                    softmax_scale=value)  # checked
+    mla_cute.flash_mla_with_kvcache(**args)
+    mla_cute.flash_mla_with_kvcache(**args, softmax_scale=value)  # replayed
+    checked, _, replayed = on_cute["scales"]
+    assert on_cute["checks"] == 2 and replayed == checked
+    assert math.isclose(replayed, float(value) * math.log2(math.e), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("s_q", [1, 2])  # s_q = 1: causal is ignored, and used to keep every call off the replay
+def test_replay_takes_numpy_causal(on_cute, s_q):
+    args = _cute_args("dense")
+    args["q"] = args["q"][:, :1].expand(-1, s_q, -1, -1).contiguous()
+    mla_cute.flash_mla_with_kvcache(**args, causal=True)
+    mla_cute.flash_mla_with_kvcache(**args, causal=True)
+    mla_cute.flash_mla_with_kvcache(**args, causal=np.bool_(True))
+    assert on_cute["checks"] == 1 and len(on_cute["scales"]) == 3
+    with pytest.raises(TypeError, match="causal must be a bool, got int"):
+        mla_cute.flash_mla_with_kvcache(**args, causal=1)
+    assert len(on_cute["scales"]) == 3
