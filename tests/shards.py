@@ -1,0 +1,61 @@
+"""Run the GPU tests in parallel processes on one GPU (kernels compile on the CPU, one per process).
+
+    python tests/shards.py N LOGDIR [pytest arguments, e.g. -m gpu tests/test_dense_decode_gpu.py]
+
+Collects the test ids, groups those that build the same kernels (the dense grid's cases by s_q, h_q, h_kv
+and causal; any other test by its function), deals the groups to N processes, largest first, runs them at
+once and prints each process's summary; exits non-zero when any process fails.  Logs go to LOGDIR.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+GRID = re.compile(r"test_dense_grid\[(\d+)-(\d+)-(\d+)-(\d+)-(\d+)-(\w+)-(\w+)\]")
+
+
+def group_of(test_id: str) -> str:
+    m = GRID.search(test_id)
+    if m:
+        _, s_q, _, h_q, h_kv, _, causal = m.groups()
+        return f"grid s_q={s_q} h_q={h_q} h_kv={h_kv} causal={causal}"
+    return test_id.split("[")[0]
+
+
+def main() -> int:
+    n, logdir, pytest_args = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    logdir.mkdir(parents=True, exist_ok=True)
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *pytest_args],
+                            capture_output=True, text=True)
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    if not ids:
+        print(listed.stdout[-3000:], listed.stderr[-3000:])
+        return 1
+    groups = collections.defaultdict(list)
+    for test_id in ids:
+        groups[group_of(test_id)].append(test_id)
+    shards = [[] for _ in range(n)]
+    for members in sorted(groups.values(), key=len, reverse=True):
+        min(shards, key=len).extend(members)
+    procs = []
+    for i, shard in enumerate(s for s in shards if s):
+        (logdir / f"shard{i}.ids").write_text("\n".join(shard))
+        log = open(logdir / f"shard{i}.log", "w")
+        cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", *shard]
+        procs.append((i, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+    failed = 0
+    for i, proc, log in procs:
+        proc.wait()
+        log.close()
+        tail = (logdir / f"shard{i}.log").read_text().strip().splitlines()[-1:]
+        print(f"shard {i}: exit {proc.returncode}: {tail[0] if tail else ''}", flush=True)
+        failed += proc.returncode != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
