@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -61,8 +62,16 @@ def _out_copied_sync() -> str:
 
 
 @pytest.fixture(autouse=True)
-def _dump_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
+def _no_artifacts_in_working_dir():
+    """``--keep-ptx`` writes each kernel's PTX into $CUTE_DSL_DUMP_DIR, which the DSL reads once, when cutlass
+    is imported (conftest points it at a temporary folder before that); none may land in the working directory."""
+    def artifacts():
+        return {e.name: e.stat().st_mtime_ns for e in os.scandir() if e.name.endswith((".ptx", ".cubin"))}
+
+    before = artifacts()
+    yield
+    written = sorted(name for name, mtime in artifacts().items() if before.get(name) != mtime)
+    assert not written, f"compile artifacts written into {os.getcwd()}: {written}"
 
 
 @pytest.mark.parametrize(

@@ -70,18 +70,30 @@ def test_cuda_graph_replays_with_new_inputs(s_q, h_q, causal, clusters):
 
 
 def test_schedule_per_call_and_context_manager():
+    """A schedule passed per call plans with its own part count and split policy: the custom one's 37
+    parts, the prefetch schedule's FlashMLA rule from the SM count (the serial kernel has no clusters);
+    the GPU scheduler's records are the host planner's for that count and policy."""
     import mla_cute
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, num_sm_parts_for, plan_splits
 
     case = make_dense_case(6, 2, 1500, 128, 1, varlen=True)
+    _, s_q, h_q, _ = case["q"].shape
+    h_kv = case["k_cache"].shape[2]
     ref = reference(**case, causal=True)
     custom = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, split_fixed_cost=2, num_sm_parts=37)
+    sms = torch.cuda.get_device_properties(case["q"].device).multi_processor_count
+    flashmla_parts = num_sm_parts_for(sms, s_q, h_q, h_kv)
+    assert flashmla_parts != 37, "the two schedules' part counts must differ for the check below to tell them apart"
     for sched in (PREFETCH_DENSE_SCHEDULE, custom):
         poison_allocator()
         meta = mla_cute.get_mla_metadata()[0]
         check(*mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta, causal=True,
                                                schedule=sched), ref)
-        assert meta.tile_scheduler_metadata.shape[0] == (37 if sched is custom else meta.tile_scheduler_metadata.shape[0])
+        parts = 37 if sched is custom else flashmla_parts
+        assert meta.tile_scheduler_metadata.shape[0] == parts
+        records, splits = plan_splits(case["cache_seqlens"].cpu(), parts, 64, *sched.plan_policy(s_q * (h_q // h_kv)))
+        assert torch.equal(meta.tile_scheduler_metadata.cpu(), records)
+        assert torch.equal(meta.num_splits.cpu(), splits)
         with pytest.raises(ValueError, match="schedule"):
             other = PREFETCH_DENSE_SCHEDULE if sched is not PREFETCH_DENSE_SCHEDULE else DEFAULT_DENSE_SCHEDULE
             mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta, causal=True,
