@@ -4,7 +4,7 @@ Kernels are compiled once per static configuration with fake tensors (symbolic b
 block and split counts) and called through TVM-FFI with torch tensors.  The in-memory
 cache is keyed on every static fact the generated code depends on.  The disk cache
 (``$MLA_CUTE_CACHE_DIR``, default ``~/.cache/mla_cute``) stores the exported object of each
-compiled kernel under a hash of that key, the DSL version, the target arch and the
+compiled kernel under a hash of that key, the DSL and TVM-FFI versions, the target arch and the
 sources of ``kernels/`` and ``schedules/``: a warm start loads it in milliseconds, and any
 edit of a kernel or schedule source invalidates it.  ``MLA_CUTE_DISK_CACHE=0`` disables it.
 
@@ -98,10 +98,20 @@ def _target_arch() -> str:
     return "unknown"
 
 
+def _runtime_versions() -> tuple:
+    """The versions an exported object depends on beyond the DSL's: the TVM-FFI it is called through."""
+    from importlib import metadata
+
+    try:
+        return (metadata.version("apache-tvm-ffi"),)
+    except metadata.PackageNotFoundError:
+        return ("no tvm-ffi",)
+
+
 def _disk_name(key: Hashable) -> str:
     import cutlass
 
-    text = repr((key, cutlass.__version__, _target_arch(), _sources_hash()))
+    text = repr((key, cutlass.__version__, _runtime_versions(), _target_arch(), _sources_hash()))
     return "k" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
