@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mla_cute
-from mla_cute.schedules import num_sm_parts_for, plan_splits
+from mla_cute.schedules import DenseDecodeSchedule, num_sm_parts_for, plan_splits
 
 INF = float("inf")
 D_QK, D_V = 576, 512
@@ -225,14 +225,30 @@ def test_dense_causal_visibility_is_bottom_right():
     assert torch.equal(out[:, -1], full_out[:, -1]) and torch.equal(lse[..., -1], full_lse[..., -1])
 
 
-def test_dense_causal_ignored_for_single_query():
+# Tile multicast forced on: a KV head of 200 query heads (4 M tiles at s_q = 1) gets 4-CTA clusters, and with
+# them the idle-SM fill's parts, only when not causal (a causal cluster needs a multiple of 128 heads a KV head).
+CAUSAL_SENSITIVE_PLAN = DenseDecodeSchedule(tile_multicast=True, multicast_ctas=4)
+
+
+@pytest.mark.parametrize("h_q,schedule", [(3, None), (200, CAUSAL_SENSITIVE_PLAN)])
+def test_dense_causal_ignored_for_single_query(h_q, schedule):
+    # FlashMLA drops causal when s_q == 1.  Its bottom-right mask hides no key from a single query anyway, so
+    # out and lse cannot tell; what can is the metadata, which must be planned as for causal=False.
     gen = torch.Generator().manual_seed(7)
     lens = [5, 70]
     cache, table = make_paged_cache(lens, 64, 1, torch.bfloat16, gen)
-    q = make_q(2, 1, 3, torch.bfloat16, gen)
-    a = run_dense(q, cache, table, seqlens(lens), causal=True)
-    b = run_dense(q, cache, table, seqlens(lens), causal=False)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    q = make_q(2, 1, h_q, torch.bfloat16, gen)
+    results = []
+    for causal in (True, False):
+        meta, _ = mla_cute.get_mla_metadata()
+        out, lse = mla_cute.flash_mla_with_kvcache(q, cache, table, seqlens(lens), D_V, meta, causal=causal,
+                                                   schedule=schedule, backend="reference")
+        results.append((out, lse, meta.tile_scheduler_metadata, meta.num_splits))
+    (out, lse, tsm, splits), (out_nc, lse_nc, tsm_nc, splits_nc) = results
+    assert torch.equal(out, out_nc) and torch.equal(lse, lse_nc)
+    assert torch.equal(tsm, tsm_nc) and torch.equal(splits, splits_nc), "metadata planned for a causal s_q = 1"
+    ref_out, ref_lse = naive_dense(q, cache, table, seqlens(lens), D_QK**-0.5, False)
+    check_dense_result(out, lse, q, ref_out, ref_lse)
 
 
 @pytest.mark.parametrize("layout", ["head_stride", "dim_slice", "transposed"])
@@ -275,6 +291,52 @@ def test_dense_fp8_cache():
     deq = mla_cute.dequantize_kv_cache(fp8)
     ref_out, ref_lse = naive_dense(q, deq, table, seqlens(lens), D_QK**-0.5, True)
     check_dense_result(out, lse, q, ref_out, ref_lse)
+
+
+# ----------------------------------------------------------------------------- key chunks
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """The reference reads its keys 16 at a time, so these small cases cross many chunk boundaries."""
+    from mla_cute.backends import reference
+
+    monkeypatch.setattr(reference, "_CHUNK", 16)
+
+
+@pytest.mark.parametrize("s_q,causal", [(1, False), (4, True)])
+def test_dense_across_key_chunks(small_chunks, s_q, causal):
+    gen = torch.Generator().manual_seed(20 + s_q)
+    # Inside one chunk, exactly one, one past it, and many chunks with a ragged last one.
+    lens = [0, 3, 16, 17, 150]
+    cache, table = make_paged_cache(lens, 16, 2, torch.bfloat16, gen)
+    q = make_q(len(lens), s_q, 6, torch.bfloat16, gen)
+    q[-1, :, :, :] *= 4  # sharper softmax: the running max moves between chunks
+    out, lse = run_dense(q, cache, table, seqlens(lens), causal=causal)
+    ref_out, ref_lse = naive_dense(q, cache, table, seqlens(lens), D_QK**-0.5, causal)
+    check_dense_result(out, lse, q, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("topk", [8, 40])  # two query tokens a chunk; three chunks over topk
+def test_sparse_across_key_chunks(small_chunks, topk):
+    gen = torch.Generator().manual_seed(30 + topk)
+    fp8, tokens = make_fp8_cache(4, 16, gen)
+    b, s_q, h_q = 3, 2, 8
+    q = make_q(b, s_q, h_q, torch.bfloat16, gen) * 4
+    indices = make_sparse_indices(b, s_q, topk, tokens.shape[0], gen)
+    indices[1, 0, : min(16, topk - 1)] = -1  # a row whose first chunk holds nothing valid
+    topk_length = torch.tensor([topk, topk, 5], dtype=torch.int32)
+    sink = torch.randn(h_q, generator=gen)
+    out, lse = run_sparse_decode(q, fp8, indices, topk_length, sink)
+    ref_out, ref_lse = naive_sparse_decode(q, tokens, indices, D_QK**-0.5, topk_length, sink)
+    check_dense_result(out, lse, q, ref_out, ref_lse)
+
+    q_p, kv, idx_p = make_prefill(5, h_q, 70, topk, gen)
+    out, max_logits, lse = mla_cute.flash_mla_sparse_fwd(q_p * 4, kv, idx_p, 0.05, backend="reference")
+    ref_out, ref_max, ref_lse = naive_sparse_prefill(q_p * 4, kv, idx_p, 0.05)
+    check_out(out, ref_out, torch.bfloat16)
+    check_lse(lse, ref_lse)
+    torch.testing.assert_close(max_logits, ref_max.float(), atol=1e-4, rtol=0)
 
 
 # ----------------------------------------------------------------------------- metadata

@@ -2,31 +2,55 @@
 
 It is the executable specification every kernel is tested against
 (semantics: FlashMLA's contract).  Clarity over speed: one request at a time.
+
+Memory stays O(inputs + outputs): keys are read ``_CHUNK`` at a time in fp32 (a KV head's
+query heads share them by broadcasting, never by copying the cache per head), and the
+softmax merges the chunks online, so the fp32 scores are at most ``_CHUNK`` keys wide.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
-from ..fp8 import D_LATENT, dequantize_kv_cache
+from ..fp8 import D_LATENT, FP8_BYTES_PER_TOKEN, dequantize_kv_cache
 
 _INF = float("inf")
+# Keys held in fp32 at a time (per KV head): 4096 x 576 x 4 bytes = 9 MiB.
+_CHUNK = 4096
+
+# A source of key chunks: each (keys [B, c, d] fp32, visible: bool broadcastable to [B, m, c], or None for all).
+_KeyChunks = Callable[[], Iterator[tuple[torch.Tensor, Optional[torch.Tensor]]]]
 
 
-def _softmax_pv(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [B, m, n] (masked = -inf), v [B, n, dv] -> (out [B, m, dv], natural-log lse [B, m]).
+def _scores(q: torch.Tensor, keys: torch.Tensor, visible: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    s = (q @ keys.transpose(-1, -2)) * scale  # [B, m, c]
+    return s if visible is None else s.masked_fill(~visible, -_INF)
 
-    Rows with nothing to attend get out 0 and lse +inf.
+
+def _attend(q: torch.Tensor, chunks: _KeyChunks, scale: float, dv: int) -> tuple[torch.Tensor, ...]:
+    """Softmax attention of q [B, m, d] fp32 over the keys of ``chunks`` (V = a key's first dv values).
+
+    One pass, merging the chunks online: a running max, and the sums of exp(score - max) and of
+    exp(score - max) * V, rescaled whenever the max grows.  Returns out [B, m, dv] fp32, lse [B, m]
+    (natural log) and max_logit [B, m]; a row with nothing visible gets out 0, lse -inf, max -inf.
     """
-    lse = torch.logsumexp(scores, dim=-1)
-    empty = lse == -_INF
-    probs = torch.exp(scores - torch.where(empty, 0.0, lse).unsqueeze(-1))
-    probs = torch.where(empty.unsqueeze(-1), 0.0, probs)
-    out = probs @ v
-    return out, torch.where(empty, _INF, lse)
+    run_max = q.new_full(q.shape[:-1], -_INF)
+    denom = torch.zeros_like(run_max)
+    acc = q.new_zeros(*q.shape[:-1], dv)
+    for keys, visible in chunks():
+        s = _scores(q, keys, visible, scale)
+        new_max = torch.maximum(run_max, s.amax(dim=-1))
+        base = torch.where(new_max == -_INF, 0.0, new_max)  # a row with nothing visible yet adds exp(-inf) = 0
+        p = torch.exp(s - base.unsqueeze(-1))
+        rescale = torch.exp(run_max - base)
+        denom = denom * rescale + p.sum(dim=-1)
+        acc = acc * rescale.unsqueeze(-1) + p @ keys[..., :dv]
+        run_max = new_max
+    empty = denom == 0  # else the largest score adds exp(0) = 1
+    out = acc / torch.where(empty, 1.0, denom).unsqueeze(-1)
+    return out, torch.where(empty, -_INF, run_max + torch.log(denom)), run_max
 
 
 def dense_decode(
@@ -42,27 +66,25 @@ def dense_decode(
     b, s_q, h_q, d = q.shape
     page, h_kv = k_cache.shape[1], k_cache.shape[2]
     group = h_q // h_kv
-    out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=torch.float32, device=q.device)
+    out = q.new_zeros(b, s_q, h_q, head_dim_v)
     lse = torch.full((b, h_q, s_q), _INF, dtype=torch.float32, device=q.device)
-    lens = cache_seqlens.tolist()
-    for i in range(b):
-        n = int(lens[i])
-        if n == 0:
-            continue
-        blocks = block_table[i, : math.ceil(n / page)].long()
-        kv = k_cache.index_select(0, blocks).reshape(-1, h_kv, d)[:n].float()  # [n, h_kv, d]
-        kv = kv.repeat_interleave(group, dim=1).transpose(0, 1)  # [h_q, n, d]
-        qi = q[i].float().transpose(0, 1)  # [h_q, s_q, d]
-        scores = (qi @ kv.transpose(1, 2)) * softmax_scale  # [h_q, s_q, n]
-        if causal and s_q > 1:
-            # Bottom-right aligned: query t sees keys [0, n - (s_q - 1 - t)).
-            t = torch.arange(s_q, device=q.device).unsqueeze(1)
-            k = torch.arange(n, device=q.device).unsqueeze(0)
-            scores = scores.masked_fill(k >= n - (s_q - 1 - t), -_INF)
-        o, l = _softmax_pv(scores, kv[:, :, :head_dim_v])  # o [h_q, s_q, dv]
-        out[i] = o.transpose(0, 1)
-        lse[i] = l
-    return out.to(q.dtype), lse
+    # Row r of a KV head's rows [s_q * group] is query token r // group, head r % group of the head's group.
+    token = torch.arange(s_q, device=q.device).repeat_interleave(group).unsqueeze(1)  # [rows, 1]
+    for i, n in enumerate(cache_seqlens.tolist()):
+        rows = q[i].float().reshape(s_q, h_kv, group, d).transpose(0, 1).reshape(h_kv, s_q * group, d)
+
+        def chunks(i=i, n=n):
+            for start in range(0, n, _CHUNK):
+                pos = torch.arange(start, min(start + _CHUNK, n), device=q.device)
+                keys = k_cache[block_table[i, pos // page].long(), pos % page]  # [c, h_kv, d]
+                # Bottom-right aligned: query t sees keys [0, n - (s_q - 1 - t)).
+                visible = pos < n - (s_q - 1 - token) if causal and s_q > 1 else None
+                yield keys.float().transpose(0, 1), visible
+
+        o, l_i, _ = _attend(rows.contiguous(), chunks, softmax_scale, head_dim_v)  # [h_kv, rows, ...]
+        out[i] = o.reshape(h_kv, s_q, group, head_dim_v).transpose(0, 1).reshape(s_q, h_q, head_dim_v)
+        lse[i] = l_i.reshape(h_kv, s_q, group).permute(0, 2, 1).reshape(h_q, s_q)
+    return out, torch.where(lse == -_INF, _INF, lse)
 
 
 def _apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: Optional[torch.Tensor]) -> torch.Tensor:
@@ -75,16 +97,37 @@ def _apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: Optional[torch.
 
 
 def _sparse_attend(
-    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, scale: float, head_dim_v: int
+    q: torch.Tensor,
+    rows_of: Callable[[torch.Tensor], torch.Tensor],
+    idx: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    head_dim_v: int,
+    attn_sink: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [t, h, d] fp32, kv [n, d] fp32, idx/valid [t, topk] -> out [t, h, dv], lse [t, h], max_logit [t, h]."""
-    safe = torch.where(valid, idx, torch.zeros_like(idx)).long()
-    rows = kv.index_select(0, safe.flatten()).reshape(*idx.shape, kv.shape[-1])  # [t, topk, d]
-    rows = torch.where(valid.unsqueeze(-1), rows, 0.0)  # invalid rows may hold NaN
-    scores = (q @ rows.transpose(1, 2)) * scale  # [t, h, topk]
-    scores = scores.masked_fill(~valid.unsqueeze(1), -_INF)
-    max_logit = scores.amax(dim=-1)
-    out, lse = _softmax_pv(scores, rows[..., :head_dim_v])
+    """q [t, h, d]; rows_of(token indices [m]) -> their cache rows [m, d] fp32; idx/valid [t, topk].
+
+    Returns out [t, h, dv] (q dtype, sink applied), lse [t, h] (+inf where nothing is valid) and
+    max_logit [t, h].  Query tokens go a few at a time, so at most about ``_CHUNK`` rows are gathered.
+    """
+    t, h, _ = q.shape
+    topk = idx.shape[1]
+    out = q.new_empty(t, h, head_dim_v)
+    lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    max_logit = torch.empty_like(lse)
+    step = max(1, _CHUNK // topk)
+    for a in range(0, t, step):
+        ii, vv = idx[a : a + step], valid[a : a + step]
+
+        def chunks(ii=ii, vv=vv):
+            for k in range(0, topk, _CHUNK):  # one chunk unless topk > _CHUNK
+                ik, vk = ii[:, k : k + _CHUNK], vv[:, k : k + _CHUNK]
+                rows = rows_of(torch.where(vk, ik, 0).flatten()).reshape(*ik.shape, -1)  # [step, c, d]
+                yield torch.where(vk.unsqueeze(-1), rows, 0.0), vk.unsqueeze(1)  # invalid rows may hold NaN
+
+        o, l_a, m_a = _attend(q[a : a + step].float(), chunks, scale, head_dim_v)
+        l_a = torch.where(l_a == -_INF, _INF, l_a)
+        out[a : a + step], lse[a : a + step], max_logit[a : a + step] = _apply_sink(o, l_a, attn_sink), l_a, m_a
     return out, lse, max_logit
 
 
@@ -104,16 +147,20 @@ def sparse_decode_fp8(
     topk_length [b]; attn_sink [h_q].  Returns out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q].
     """
     b, s_q, h_q, d = q.shape
-    kv = dequantize_kv_cache(k_cache).reshape(-1, d).float()
+    raw = k_cache.reshape(-1, FP8_BYTES_PER_TOKEN).view(torch.uint8)  # one 656-byte row a token
+
+    def rows_of(tokens: torch.Tensor) -> torch.Tensor:  # dequantize only the rows read
+        return dequantize_kv_cache(raw[tokens].reshape(-1, 1, 1, FP8_BYTES_PER_TOKEN)).reshape(-1, d).float()
+
     topk = indices.shape[-1]
     idx = indices.reshape(b * s_q, topk).long()
-    valid = (idx >= 0) & (idx < kv.shape[0])
+    valid = (idx >= 0) & (idx < raw.shape[0])
     if topk_length is not None:
         pos = torch.arange(topk, device=q.device).unsqueeze(0)
         valid &= pos < topk_length.long().repeat_interleave(s_q).unsqueeze(1)
-    out, lse, _ = _sparse_attend(q.reshape(b * s_q, h_q, d).float(), kv, idx, valid, softmax_scale, head_dim_v)
-    out = _apply_sink(out, lse, attn_sink)
-    return out.reshape(b, s_q, h_q, head_dim_v).to(q.dtype), lse.reshape(b, s_q, h_q).transpose(1, 2).contiguous()
+    out, lse, _ = _sparse_attend(q.reshape(b * s_q, h_q, d), rows_of, idx, valid, softmax_scale, head_dim_v,
+                                 attn_sink)
+    return out.reshape(b, s_q, h_q, head_dim_v), lse.reshape(b, s_q, h_q).transpose(1, 2).contiguous()
 
 
 def sparse_prefill(
@@ -135,6 +182,6 @@ def sparse_prefill(
     valid = (idx >= 0) & (idx < s_kv)
     if topk_length is not None:
         valid &= torch.arange(topk, device=q.device).unsqueeze(0) < topk_length.long().unsqueeze(1)
-    out, lse, max_logit = _sparse_attend(q.float(), kv.reshape(s_kv, d).float(), idx, valid, sm_scale, d_v)
-    out = _apply_sink(out, lse, attn_sink)
-    return out.to(q.dtype), max_logit, lse
+    rows = kv.reshape(s_kv, d)
+    out, lse, max_logit = _sparse_attend(q, lambda tokens: rows[tokens].float(), idx, valid, sm_scale, d_v, attn_sink)
+    return out, max_logit, lse
