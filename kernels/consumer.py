@@ -487,14 +487,19 @@ class WorkSlice:
     begin_block: Any
     end_block: Any
     begin_split: Any
-    max_tiles: Any = None  # the tiles a request may have (dense: those its block-table row covers), or None
+    max_len: Any = None  # dense: the tokens a request's block-table row covers (``length``)
 
     @staticmethod
-    def of(mSched, part, max_tiles=None) -> "WorkSlice":
-        """The record of ``part`` in the scheduler's ``[num_parts, 8]`` table.  ``max_tiles``: no request is
-        served past that many tiles, whatever the lengths or the records hold."""
+    def of(mSched, part, max_len=None) -> "WorkSlice":
+        """The record of ``part`` in the scheduler's ``[num_parts, 8]`` table."""
         return WorkSlice(mSched[part, 0], mSched[part, 1], mSched[part, 2], mSched[part, 3], mSched[part, 4],
-                         max_tiles)
+                         max_len)
+
+    @cute.jit
+    def length(self, raw):
+        """A request's length as this CTA serves it: within [0, ``max_len``], whatever the lengths tensor
+        holds (values the checks never saw read nothing past the request's block-table row)."""
+        return cutlass.min(cutlass.max(raw, 0), self.max_len)
 
     @cute.jit
     def clamp(self, req):
@@ -504,17 +509,14 @@ class WorkSlice:
 
     @cute.jit
     def blocks(self, req, seqlen):
-        """KV tiles [first, last) of request ``req`` that this CTA serves: never past ``seqlen`` nor
-        ``max_tiles``, so lengths changed after the plan was made (or beyond the block table) read nothing
-        outside the table."""
+        """KV tiles [first, last) of request ``req`` that this CTA serves, never past ``seqlen`` (a record
+        made for other lengths included)."""
         first = cutlass.Int32(0)
         if req == self.begin_req:
             first = self.begin_block
         last = (seqlen + BLOCK_N - 1) // BLOCK_N
         if req == self.end_req:
             last = cutlass.min(last, self.end_block)
-        if cutlass.const_expr(self.max_tiles is not None):
-            last = cutlass.min(last, self.max_tiles)
         return first, last
 
 

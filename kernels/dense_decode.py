@@ -221,7 +221,7 @@ class DenseDecodeKernel(SplitKVConsumer):
         cute.arch.sync_threads()
 
         sQ, sK, sV, sP = operand_tiles(storage, sQ_layout, sK_layout, sV_layout, sP_layout)
-        work = WorkSlice.of(mSched, part, mBlockTable.shape[1] * self.tiles_per_page)
+        work = WorkSlice.of(mSched, part, mBlockTable.shape[1] * self.page_size)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -259,7 +259,7 @@ class DenseDecodeKernel(SplitKVConsumer):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            first, last = work.blocks(req, mSeqlens[req])
+            first, last = work.blocks(req, work.length(mSeqlens[req]))
             q_pipe.producer_acquire(q_state)
             cute.copy(
                 tma_atom_q, tQgQ[None, m_tile, 0, kv_head, req], tQsQ,
@@ -293,7 +293,7 @@ class DenseDecodeKernel(SplitKVConsumer):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            seqlen = mSeqlens[req]
+            seqlen = work.length(mSeqlens[req])
             splits = load_splits(outs, req)
             first, last = work.blocks(req, seqlen)
             self.start_rows(v, rows)

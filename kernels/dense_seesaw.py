@@ -334,9 +334,9 @@ class DenseSeesawKernel(SeesawConsumer):
                    scale_log2, m_tile, kv_head, tidx, wg)
 
     def work_slice(self, mSched, mBlockTable, part):
-        """This CTA's record, its requests served no further than their block-table rows reach (the loader
-        and the consumers alike)."""
-        return WorkSlice.of(mSched, part, mBlockTable.shape[1] * self.tiles_per_page)
+        """This CTA's record, its requests' lengths taken within their block-table rows (the loader and the
+        consumers alike)."""
+        return WorkSlice.of(mSched, part, mBlockTable.shape[1] * self.page_size)
 
     # ------------------------------------------------------------- request loop
     @cute.jit
@@ -351,7 +351,7 @@ class DenseSeesawKernel(SeesawConsumer):
         lens = lengths_ahead(mSeqlens, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             # The next request's length and this one's split counts load now, under its tiles.
-            seqlen = advance_lengths(lens, mSeqlens, work, req)
+            seqlen = work.length(advance_lengths(lens, mSeqlens, work, req))
             splits = load_splits(outs, req)
             first, last = self.request_tiles(work, req, seqlen, common_shift)
             if cutlass.const_expr(not self.load_warpgroup):
@@ -684,7 +684,7 @@ class DenseSeesawKernel(SeesawConsumer):
         q_phase = cute.make_rmem_tensor((1,), cutlass.Int32)
         q_phase[0] = 1
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            first, last = self.request_tiles(work, req, mSeqlens[req], common_shift)
+            first, last = self.request_tiles(work, req, work.length(mSeqlens[req]), common_shift)
             if req == work.begin_req:
                 self.load_q_when_free(ld, req, q_phase)
             if first < last:

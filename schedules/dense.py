@@ -116,15 +116,18 @@ class DenseDecodeSchedule:
         alone at b = 4 with 33 partials a row (partials in L2) 9.3 us against 7.9 one warp a chunk.
     partials_16bit: a split's partial O in the output's 16-bit dtype (lse stays fp32), staged in shared
         memory and copied out with bulk copies like the final rows, instead of fp32 from registers:
-        half the partial bytes written and read back by the combine.  Needs the seesaw kernel.  None (the
-        default): chosen per plan, on when the host knows the plan and its busiest part reads at most
-        ``partials_16bit_tiles`` KV tiles (a short plan's partials are a large share of its time), else off.
+        half the partial bytes written and read back by the combine.  Needs the seesaw kernel.  False (the
+        default): FlashMLA's fp32 partials on every plan.  None: chosen per plan, on when the host knows the
+        plan and its busiest part reads at most ``partials_16bit_tiles`` KV tiles (a short plan's partials are
+        a large share of its time), else off.  Off by default since, on FlashMLA's test data, a split row's
+        second rounding doubles the cosine difference against the reference (about 4.3e-6 against FlashMLA's
+        2.2e-6; FlashMLA's test allows 5e-6, and a single-head row passed it); b = 1, 128K costs 3.4% (69.6 us
+        against 67.3, side by side on the H200).
         Measured on the H200 (docs/performance.md, entries 32 and 35): calls of one to four requests 1-11% faster
         (h_q = 128, 128K: 67.7-68.2 us against 69.2-69.4; 16K: 24.2-24.5 against 26.6-26.8; b = 4, 16K: 43.5-43.6
         against 46.3-46.5; h_q = 64, 64K: 36.4-36.8 against 37.8-38.7; even at one tile a part, b = 1, 4K: 18.0
         against 18.7-19.0), b = 2, h_q = 32, 64K and 64 x 16K within 0.2% (forced on); the relative error of split
-        rows 1.2-1.5x higher (b = 1, 128K: 1.1e-3 against 7.6e-4), within FlashMLA's test tolerances.  False:
-        FlashMLA's fp32 partials on every plan.
+        rows 1.2-1.5x higher (b = 1, 128K: 1.1e-3 against 7.6e-4).
     partials_16bit_tiles: with ``partials_16bit=None``, the most tiles the busiest part of a plan may read for
         its partials to be 16-bit.
     combine_pdl: launch the combine kernel with Programmatic Dependent Launch: its CTAs start as the split
@@ -153,7 +156,7 @@ class DenseDecodeSchedule:
     idle_sm_fill: bool = True
     idle_sm_fill_share: int = 11
     load_warpgroup: Optional[bool] = None
-    partials_16bit: Optional[bool] = None
+    partials_16bit: Optional[bool] = False
     partials_16bit_tiles: int = 32
     combine_pdl: bool = True
 

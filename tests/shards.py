@@ -1,10 +1,11 @@
 """Run the GPU tests in parallel processes on one GPU (kernels compile on the CPU, one per process).
 
-    python tests/shards.py N LOGDIR [pytest arguments, e.g. -m gpu tests/test_dense_decode_gpu.py]
+    python tests/shards.py N LOGDIR [--skip-passed OLDLOGDIR] [pytest arguments, e.g. -m gpu tests/]
 
 Collects the test ids, groups those that build the same kernels (the dense grid's cases by s_q, h_q, h_kv
 and causal; any other test by its function), deals the groups to N processes, largest first, runs them at
 once and prints each process's summary; exits non-zero when any process fails.  Logs go to LOGDIR.
+``--skip-passed``: leave out the tests an earlier run's logs (OLDLOGDIR) report as passed.
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ def group_of(test_id: str) -> str:
 
 def main() -> int:
     n, logdir, pytest_args = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    passed = set()
+    if pytest_args[:1] == ["--skip-passed"]:
+        for log in Path(pytest_args[1]).glob("shard*.log"):
+            passed |= {line.split(" PASSED")[0] for line in log.read_text().splitlines() if " PASSED" in line}
+        pytest_args = pytest_args[2:]
     logdir.mkdir(parents=True, exist_ok=True)
     listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *pytest_args],
                             capture_output=True, text=True)
-    ids = [line for line in listed.stdout.splitlines() if "::" in line]
-    if not ids:
+    ids = [line for line in listed.stdout.splitlines() if "::" in line and line not in passed]
+    if not ids and not passed:
         print(listed.stdout[-3000:], listed.stderr[-3000:])
         return 1
     groups = collections.defaultdict(list)

@@ -315,10 +315,16 @@ def test_precompile_loads_both_entries(recorder, sparse_recorder, monkeypatch):
                                                                                     kv_evict_first=False,
                                                                                     partials_16bit=False))
     assert recorder["built"] == [(False, True), (False, False)]
-    # Evict-first loads and 16-bit partials chosen per plan (the default): the kernels a plan can choose, each
-    # with and without the combine (16-bit partials only on plans short enough for evict-first loads).
+    # Evict-first loads chosen per plan (the default), and with them 16-bit partials where a schedule asks for
+    # them per plan: the kernels a plan can choose, each with and without the combine (16-bit partials only on
+    # plans short enough for evict-first loads).
     cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64, DEFAULT_DENSE_SCHEDULE)
     kinds = list(zip(recorder["built"][2:], recorder["partials"][2:]))
+    assert kinds == [((False, True), False), ((False, False), False), ((True, True), False), ((True, False), False)]
+    del recorder["built"][:], recorder["partials"][:]
+    cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64,
+                          dataclasses.replace(DEFAULT_DENSE_SCHEDULE, partials_16bit=None))
+    kinds = list(zip(recorder["built"], recorder["partials"]))
     assert kinds == [((False, True), False), ((False, False), False), ((True, True), False), ((True, False), False),
                      ((True, True), True), ((True, False), True)]
     # s_q = 2, h_q = 128 (four M tiles): also the 4-CTA cluster kernels of long plans (normal loads, fp32 partials),
@@ -329,14 +335,14 @@ def test_precompile_loads_both_entries(recorder, sparse_recorder, monkeypatch):
     policies = []
     monkeypatch.setattr(build, "compile_scheduler", lambda *policy: policies.append(policy))
     cute.precompile_dense(torch.bfloat16, 2, 128, 1, True, 64, DEFAULT_DENSE_SCHEDULE)
-    assert len(recorder["built"]) == 8 and recorder["built"][-2:] == [(False, True), (False, False)]
-    assert [s.multicast_ctas for s in recorder["schedules"]] == [2] * 6 + [4] * 2
-    assert recorder["fill"] == [False] * 6 + [True] * 2
+    assert len(recorder["built"]) == 6 and recorder["built"][-2:] == [(False, True), (False, False)]
+    assert [s.multicast_ctas for s in recorder["schedules"]] == [2] * 4 + [4] * 2
+    assert recorder["fill"] == [False] * 4 + [True] * 2
     assert policies == [(5, 16, 16), (5, 16, 16, 3, 11)]
     del recorder["fill"][:]
     cute.precompile_dense(torch.bfloat16, 2, 128, 1, True, 64, dataclasses.replace(DEFAULT_DENSE_SCHEDULE,
                                                                                    idle_sm_fill=False))
-    assert recorder["fill"] == [False] * 8
+    assert recorder["fill"] == [False] * 6
     cute.precompile_sparse(2, 128, False, SparseDecodeSchedule(small_plan_tiles=0))
     assert [x[3].partials_16bit for x in sparse_recorder["compile"]] == [False, False]
     # The small plans' kernels (16-bit partials) too.
@@ -384,15 +390,17 @@ def test_sparse_schedule_rules():
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
 def test_partials_16bit_rule(kind):
     """16-bit partials leave through the staged epilogue, which only the seesaw (dense) and the
-    leader-follower consumers (sparse) have; by default chosen per plan, resolved to a bool before a build."""
+    leader-follower consumers (sparse) have; dense: fp32 by default (FlashMLA's precision), sparse: chosen per
+    plan by default; None (per plan) resolved to a bool before a build."""
     from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
 
     cls, other = ((DenseDecodeSchedule, {"seesaw": False}) if kind == "dense"
                   else (SparseDecodeSchedule, {"leader_follower": False}))
-    assert cls().partials_16bit is None
+    assert cls().partials_16bit is (False if kind == "dense" else None)
+    cls(partials_16bit=None, **other).validate()
     cls(partials_16bit=True).validate()
     cls(partials_16bit=False, **other).validate()
-    cls(**other).validate()  # None: never chosen without the staged epilogue
+    cls(**other).validate()
     with pytest.raises(ValueError, match="partials_16bit needs"):
         cls(partials_16bit=True, **other).validate()
     for bad in (0, 1, "yes"):
@@ -400,7 +408,7 @@ def test_partials_16bit_rule(kind):
             cls(partials_16bit=bad).validate()
     assert cls(partials_16bit=False).kernel_key() != cls(partials_16bit=True).kernel_key()
     for arg in ((8, None) if kind == "dense" else (True, False)):
-        assert cls(**other).for_plan(arg).partials_16bit is False
+        assert cls(partials_16bit=None, **other).for_plan(arg).partials_16bit is False  # never without the epilogue
     counts = "partials_16bit_tiles" if kind == "dense" else "small_plan_tiles"
     for bad in (-1, True, 2.0):
         with pytest.raises(ValueError, match=f"{counts} must be an int >= 0"):
@@ -410,23 +418,25 @@ def test_partials_16bit_rule(kind):
 @pytest.mark.parametrize("busiest,partials", [(None, False), (1, True), (32, True), (33, False), (200, False)])
 def test_dense_partials_chosen_per_plan(busiest, partials):
     """``partials_16bit=None``: 16-bit where the host knows the plan and its busiest part reads at most
-    ``partials_16bit_tiles`` tiles; an explicit value holds for every plan."""
+    ``partials_16bit_tiles`` tiles; an explicit value (the default's False) holds for every plan."""
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
 
-    assert DEFAULT_DENSE_SCHEDULE.for_plan(busiest).partials_16bit is partials
+    assert DEFAULT_DENSE_SCHEDULE.for_plan(busiest).partials_16bit is False
+    per_plan = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, partials_16bit=None)
+    assert per_plan.for_plan(busiest).partials_16bit is partials
     for fixed in (False, True):
         sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, partials_16bit=fixed)
         assert sched.for_plan(busiest).partials_16bit is fixed
 
 
 def test_dense_plan_takes_the_partials_of_its_kernel(recorder):
-    """The workspace holds the dtype of the kernel the plan chose: 16-bit at b = 1, 128K (32 tiles a part),
-    fp32 on a plan the host does not know (a capture's) and on a long one."""
+    """The workspace holds the dtype of the kernel the plan chose (16-bit partials per plan): 16-bit at b = 1,
+    128K (32 tiles a part), fp32 on a plan the host does not know (a capture's) and on a long one."""
     from mla_cute.api import get_mla_metadata
     from mla_cute.backends import cute
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
 
-    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=66)
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=66, partials_16bit=None)
     for lengths, dtype in (([131072], torch.bfloat16), ([131072] * 2, torch.float32)):
         seqlens = torch.tensor(lengths, dtype=torch.int32)
         q, k_cache, block_table, _ = _inputs(b=len(lengths), h_kv=1, page=64)

@@ -134,8 +134,8 @@ def _replay_only(monkeypatch):
 
 DENSE_ADVERSARIAL = {
     # block-table entries a request reads, outside [0, num_blocks): TMA reads them as zeros
-    "pages below": lambda case: case["block_table"][-1, :3].fill_(-5),
-    "pages above": lambda case: case["block_table"][-1, :3].fill_(case["k_cache"].shape[0]),
+    "below pages": lambda case: case["block_table"][-1, :3].fill_(-5),
+    "above pages": lambda case: case["block_table"][-1, :3].fill_(case["k_cache"].shape[0]),
     "sentinel pages": lambda case: case["block_table"][-1, :].fill_(2147480000),
     # lengths beyond what the table row covers (the last row: a read past it leaves the allocation)
     "length beyond table": lambda case: case["cache_seqlens"][-1].fill_(2**30),
@@ -162,11 +162,10 @@ def test_dense_values_changed_behind_the_checks(what, s_q, h_q, causal, monkeypa
         _replay_only(monkeypatch)
         out, lse = _dense(case, meta, causal)
         torch.cuda.synchronize()
-    touched = slice(None) if what == "all lengths beyond" else slice(0, -1)
-    if touched != slice(None):
-        _check((out, lse), ref, touched)
-    if what not in ("negative length",):
-        assert torch.isfinite(out[-1]).all(), "a changed request still gets finite values"
+    if what != "all lengths beyond":
+        _check((out, lse), ref, slice(0, -1))
+    if what.endswith("pages"):  # read as zeros (a length past the real one reads the NaN poison beyond it)
+        assert torch.isfinite(out[-1]).all(), "a request with pages outside the cache still gets finite values"
 
 
 @pytest.mark.parametrize("what", ["topk_length above topk", "negative topk_length", "indices out of range"])
@@ -228,3 +227,5 @@ def test_output_past_2_31_elements():
         one = dict(case, q=case["q"][i:i + 1], block_table=case["block_table"][i:i + 1],
                    cache_seqlens=case["cache_seqlens"][i:i + 1])
         _check((out[i:i + 1], lse[i:i + 1]), _dense_ref(one, False))
+    del case, out, lse, one
+    torch.cuda.empty_cache()  # 30 GB, for the tests after this one
