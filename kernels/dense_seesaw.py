@@ -330,8 +330,9 @@ class DenseSeesawKernel(SeesawConsumer):
             issuer=0,
         )
         view = self.seesaw_view(make_seesaw_mmas(self.dtype), sQ, sK, sV, sP0, kv_bar, wg, tidx % 128)
-        self.serve(view, sMax, sScale, sSum, loader, mSeqlens, self.work_slice(mSched, mBlockTable, part), outs, staged,
-                   scale_log2, m_tile, kv_head, tidx, wg)
+        work = self.work_slice(mSched, mBlockTable, part)
+        self.serve(view, sMax, sScale, sSum, loader, mSeqlens, work, outs, staged, scale_log2, m_tile, kv_head,
+                   tidx, wg)
 
     def work_slice(self, mSched, mBlockTable, part):
         """This CTA's record, its requests' lengths taken within their block-table rows (the loader and the
