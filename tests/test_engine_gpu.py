@@ -1,7 +1,8 @@
 """As inference engines call the kernels, on the H200: under ``torch.inference_mode()``, inside CUDA graphs
 captured in it, with input values that no check sees (written after the checked call, replayed), and with
 outputs past 2^31 elements.  ``compute-sanitizer --tool memcheck`` over this file shows the adversarial cases
-read nothing out of bounds."""
+read nothing out of bounds (run it without ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, under which
+memcheck reports bulk copies across the allocator's 2 MiB mappings as invalid writes)."""
 
 from __future__ import annotations
 
