@@ -1,19 +1,23 @@
 """Run the GPU tests in parallel processes on one GPU (kernels compile on the CPU, one per process).
 
-    python tests/shards.py N LOGDIR [--skip-passed OLDLOGDIR] [pytest arguments, e.g. -m gpu tests/]
+    python tests/shards.py N LOGDIR [--stop-after SECONDS] [--skip-passed OLDLOGDIR] [pytest arguments, e.g. -m gpu tests/]
 
 Collects the test ids, groups those that build the same kernels (the dense grid's cases by s_q, h_q, h_kv
 and causal; any other test by its function), deals the groups to N processes, largest first, runs them at
 once and prints each process's summary; exits non-zero when any process fails.  Logs go to LOGDIR.
-``--skip-passed``: leave out the tests an earlier run's logs (OLDLOGDIR) report as passed.
+``--skip-passed``: leave out the tests an earlier run's logs (OLDLOGDIR) report as passed.  ``--stop-after``:
+interrupt the processes still running after SECONDS (as Ctrl-C would), so each still writes pytest's summary, with
+the failures' reasons, before a time limit kills them.
 """
 
 from __future__ import annotations
 
 import collections
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 GRID = re.compile(r"test_dense_grid\[(\d+)-(\d+)-(\d+)-(\d+)-(\d+)-(\w+)-(\w+)\]")
@@ -30,6 +34,9 @@ def group_of(test_id: str) -> str:
 def main() -> int:
     n, logdir, pytest_args = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     passed = set()
+    stop_after = None
+    if pytest_args[:1] == ["--stop-after"]:
+        stop_after, pytest_args = float(pytest_args[1]), pytest_args[2:]
     if pytest_args[:1] == ["--skip-passed"]:
         for log in Path(pytest_args[1]).glob("shard*.log"):
             passed |= {line.split(" PASSED")[0] for line in log.read_text().splitlines() if " PASSED" in line}
@@ -54,8 +61,15 @@ def main() -> int:
         cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", *shard]
         procs.append((i, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
     failed = 0
+    deadline = None if stop_after is None else time.monotonic() + stop_after
     for i, proc, log in procs:
-        proc.wait()
+        try:
+            proc.wait(None if deadline is None else max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            for _, other, _ in procs:
+                if other.poll() is None:
+                    other.send_signal(signal.SIGINT)
+            proc.wait()
         log.close()
         tail = (logdir / f"shard{i}.log").read_text().strip().splitlines()[-1:]
         print(f"shard {i}: exit {proc.returncode}: {tail[0] if tail else ''}", flush=True)
