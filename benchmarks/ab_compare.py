@@ -1,4 +1,4 @@
-"""A/B comparison of schedule variants in one process (run on the GPU machine).
+"""A/B comparison of schedule variants in one process (run on the GPU machine), FlashMLA among them.
 
     python benchmarks/ab_compare.py SPEC.json [--rounds 3] [--out rows.json]
 
@@ -9,11 +9,15 @@ SPEC is a JSON list of rows, each comparing variants on one configuration:
 
 ``row`` is ``(b, s_q, h_q, s_k)`` for dense decode and ``(b, s_q, h_q, s_k, topk)`` for sparse decode;
 variants are the schedule names of ``bench_decode.py`` / ``bench_sparse.py`` (``base:field=value,...``).
+Where ``flash_mla`` imports, FlashMLA's SM90 kernel (``use_legacy=True``) is one more variant of every row,
+named "flashmla", and each variant's ``ratio`` is FlashMLA's median / its median; where it does not, the ratio
+is against the anchor files' time of the row (where they have the row), marked "remembered, another board".
 Machines differ by several percent, so builds and variants are compared within one run: each round
 draws the row's inputs once and times every variant on them, the order rotated from round to round;
 each time is the benchmarks' own (0.5 s of GPU work, then the median of do_bench over the whole call).
 In the first round each variant's output is checked against the torch reference (where the reference
-is affordable) and for NaN.
+is affordable) and for NaN.  ``--out``: ``timings`` (every timing) and ``medians`` (a variant of a row each,
+with the ratio).
 """
 
 from __future__ import annotations
@@ -21,19 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
-
-import mla_cute
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import bench_decode  # noqa: E402  (the benchmarks' own calls, checks and timing)
 import bench_sparse  # noqa: E402
+from flashmla_side import FLASHMLA, describe, flash_mla, median, rel_err, remembered, rotated, set_ratio  # noqa: E402
 
-KINDS = {"dense": 4, "sparse": 5}
+MODULES = {"dense": bench_decode, "sparse": bench_sparse}
 
 
 def load_spec(path: str) -> list:
@@ -44,14 +46,14 @@ def load_spec(path: str) -> list:
     rows = []
     for i, item in enumerate(spec):
         kind = item.get("kind") if isinstance(item, dict) else None
-        if kind not in KINDS:
-            raise ValueError(f"{path} row {i}: kind must be one of {sorted(KINDS)}, got {kind!r}")
-        row, variants = item.get("row"), item.get("variants")
-        if not (isinstance(row, list) and len(row) == KINDS[kind] and all(type(x) is int and x > 0 for x in row)):
-            raise ValueError(f"{path} row {i}: row must be {KINDS[kind]} positive ints, got {row!r}")
+        if kind not in MODULES:
+            raise ValueError(f"{path} row {i}: kind must be one of {sorted(MODULES)}, got {kind!r}")
+        row, variants, size = item.get("row"), item.get("variants"), len(MODULES[kind].KEYS)
+        if not (isinstance(row, list) and len(row) == size and all(type(x) is int and x > 0 for x in row)):
+            raise ValueError(f"{path} row {i}: row must be {size} positive ints, got {row!r}")
         if not (isinstance(variants, list) and variants and all(isinstance(v, str) for v in variants)):
             raise ValueError(f"{path} row {i}: variants must be a non-empty list of schedule names")
-        named = bench_decode.schedule_named if kind == "dense" else bench_sparse.schedule_named
+        named = MODULES[kind].schedule_named
         schedules = {}
         for name in variants:
             try:
@@ -63,66 +65,76 @@ def load_spec(path: str) -> list:
     return rows
 
 
-def make_call(kind: str, row: tuple, schedule, inputs):
-    """The whole decode call on ``inputs`` under ``schedule``, with fresh metadata (its plan is made at the first call)."""
-    meta, _ = mla_cute.get_mla_metadata()
-    if kind == "dense":
-        return bench_decode.decode_call(inputs, row[1], schedule, meta)
-    return bench_sparse.sparse_call(inputs, schedule, meta)
-
-
-def check(kind: str, row: tuple, inputs, out) -> float:
-    """Relative error (Frobenius) against the torch reference, or NaN where the reference is too costly."""
-    if kind == "dense":
-        return bench_decode.rel_err(*row, *inputs, out)
-    return bench_sparse.rel_err(*row[:2], *inputs, out)
-
-
-def run(rows: list, rounds: int) -> list:
+def run(rows: list, rounds: int, fm=None) -> list:
+    """Every timing of ``rounds`` rounds over ``rows`` (from ``load_spec``), FlashMLA (``fm``, or None) a variant."""
     results = []
     for r in range(rounds):
         for kind, row, schedules in rows:
+            bench = MODULES[kind]
             torch.manual_seed(1000 * r + sum(row))
-            inputs = bench_decode.make_inputs(*row) if kind == "dense" else bench_sparse.make_inputs(*row)
-            names = list(schedules)
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                fn = make_call(kind, row, schedules[name], inputs)
+            inputs = bench.make_inputs(*row)
+            ref = bench.reference(row, inputs) if r == 0 else None
+            names = list(schedules) + ([FLASHMLA] if fm is not None else [])
+            for name in rotated(names, r):
+                fn = bench.flash_call(fm, row, inputs) if name == FLASHMLA else bench.call(row, inputs, schedules[name])
                 out = fn()[0]
-                torch.cuda.synchronize()
-                err = check(kind, row, inputs, out) if r == 0 else float("nan")
-                bench_decode.warm_gpu()
-                us = bench_decode.bench(fn, **(bench_decode if kind == "dense" else bench_sparse).REPS) * 1e3
+                err = rel_err(out, ref)
+                bench.warm_gpu()
+                us = bench.bench(fn, **bench.REPS) * 1e3
                 rec = dict(kind=kind, row=list(row), variant=name, round=r, us=us, rel_err=err,
                            nan=bool(torch.isnan(out).any()))
                 results.append(rec)
                 print(json.dumps(rec), flush=True)
-            del inputs
+            del inputs, ref
             torch.cuda.empty_cache()
     return results
 
 
-def summary(results: list) -> str:
+def medians(results: list, anchors: dict) -> list:
+    """A record per variant of a row: its median time, its times, and (but FlashMLA's) the ratio to FlashMLA's
+    median of the same row, or where FlashMLA was not timed to ``anchors[kind]`` (remembered times by row)."""
     by = {}
     for x in results:
         by.setdefault((x["kind"], tuple(x["row"]), x["variant"]), []).append(x["us"])
-    return "\n".join(f"{kind} {row} {name}: median {statistics.median(ts):.1f} us, "
-                     f"range {min(ts):.1f}-{max(ts):.1f} ({' '.join(f'{t:.1f}' for t in ts)})"
-                     for (kind, row, name), ts in by.items())
+    meds = []
+    for (kind, row, name), ts in by.items():
+        rec = dict(kind=kind, row=list(row), variant=name, us=median(ts), rounds=ts)
+        if name != FLASHMLA:
+            flash = by.get((kind, row, FLASHMLA))
+            set_ratio(rec, median(flash) if flash else None, anchors[kind].get(row))
+        meds.append(rec)
+    return meds
+
+
+def summary(meds: list) -> str:
+    lines = []
+    for m in meds:
+        ts = m["rounds"]
+        text = (f"{m['kind']} {tuple(m['row'])} {m['variant']}: median {m['us']:.1f} us, "
+                f"range {min(ts):.1f}-{max(ts):.1f} ({' '.join(f'{t:.1f}' for t in ts)})")
+        if m.get("ratio_from"):
+            text += f", ratio {m['ratio']:.3f} ({m['ratio_from']})"
+        lines.append(text)
+    return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("spec")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=None, help="write every timing as JSON here")
+    ap.add_argument("--out", default=None, help="write every timing and the medians as JSON here")
     args = ap.parse_args()
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     rows = load_spec(args.spec)
-    results = run(rows, args.rounds)
-    print(summary(results))
+    fm = flash_mla()
+    print(describe(fm), flush=True)
+    results = run(rows, args.rounds, fm)
+    meds = medians(results, {kind: remembered(m.ANCHOR, m.KEYS) for kind, m in MODULES.items()})
+    print(summary(meds))
     if args.out:
-        json.dump(results, open(args.out, "w"), indent=1)
+        with open(args.out, "w") as f:
+            json.dump(dict(timings=results, medians=meds), f, indent=1)
 
 
 if __name__ == "__main__":

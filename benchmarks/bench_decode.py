@@ -1,34 +1,40 @@
-"""Dense decode benchmark, by the method of the FlashMLA anchor numbers (benchmarks/results/anchor_*.json).
+"""Dense decode benchmark, by the method of the FlashMLA anchor numbers (benchmarks/results/anchor_*.json),
+FlashMLA timed beside it (``flashmla_side.py``: same inputs, same process, interleaved rounds).
 
 Fixed s_k per request, page 64, random block table, random normal bf16 q and cache,
 softmax_scale 576**-0.5, causal when s_q > 1, metadata computed on the first call and
-reused; after 0.5 s of GPU work, time = median of triton.testing.do_bench(fn, warmup=20,
-rep=200) over the whole call (split kernel + combine, or the split kernel alone when the plan
-splits no request).  FLOPs = 2*b*s_q*h_q*s_k*(576+512);
-bytes = 2*(b*s_k*576 + b*s_q*h_q*(576+512)).
+reused; after 0.5 s of GPU work, each of ``--rounds`` rounds times FlashMLA (where
+``flash_mla`` imports; every call ``use_legacy=True``) and every schedule once, the order
+rotated, by the median of triton.testing.do_bench(fn, warmup=20, rep=200) over the whole call
+(split kernel + combine, or the split kernel alone when the plan splits no request); time =
+the median over the rounds, ratio = FlashMLA's / ours.  Without ``flash_mla`` the ratio is
+against the anchor file, marked "remembered, another board".
+FLOPs = 2*b*s_q*h_q*s_k*(576+512); bytes = 2*(b*s_k*576 + b*s_q*h_q*(576+512)).
 
-    python benchmarks/bench_decode.py [--out results.json] [--anchor anchors.json] [--quick]
+    python benchmarks/bench_decode.py [--out results.json] [--anchor anchors.json] [--quick] [--rows 0,6]
+                                      [--schedules default,serial] [--rounds 3]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 
 import torch
 
+import flashmla_side
 import mla_cute
 
+NAME = "dense"
+KEYS = ("b", "s_q", "h_q", "s_k")
 CONFIGS = [  # (b, s_q, h_q, s_k): the anchor's rows
     (128, 1, 128, 4096), (128, 2, 128, 4096), (128, 1, 128, 8192), (128, 2, 128, 8192),
     (128, 1, 128, 16384), (128, 1, 128, 32768), (128, 1, 64, 8192), (128, 1, 32, 8192),
     (128, 1, 16, 8192), (64, 1, 16, 16384), (128, 4, 16, 8192), (8, 1, 128, 65536),
     (1, 1, 128, 131072),
 ]
+QUICK = CONFIGS[:1] + CONFIGS[6:7] + CONFIGS[-1:]
 ANCHOR = os.path.join(os.path.dirname(__file__), "results", "anchor_flashmla_dense_h200.json")
 REPS = dict(warmup=20, rep=200)  # do_bench's, as the anchor was timed
 
@@ -78,19 +84,35 @@ def make_inputs(b, s_q, h_q, s_k, dtype=torch.bfloat16, page=64, device="cuda"):
     return q, k_cache, block_table, seqlens
 
 
-def decode_call(inputs, s_q, schedule, meta):
-    """The whole dense decode call on ``make_inputs``' tensors (causal when s_q > 1)."""
+def call(row, inputs, schedule):
+    """The whole dense decode call on ``make_inputs``' tensors (causal when s_q > 1), with fresh metadata."""
     q, k_cache, block_table, seqlens = inputs
-    return lambda: mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=s_q > 1,
+    meta = mla_cute.get_mla_metadata()[0]
+    return lambda: mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=row[1] > 1,
                                                    backend="cute", schedule=schedule)
 
 
-def rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out):
-    if b * s_k > 128 * 8192:  # the reference would take too long
-        return float("nan")
-    ref, _ = mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, mla_cute.get_mla_metadata()[0],
-                                             causal=s_q > 1, backend="reference")
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
+def flash_call(fm, row, inputs):
+    """FlashMLA's call (``fm``: the ``flash_mla`` package) on the same tensors."""
+    q, k_cache, block_table, seqlens = inputs
+    meta = fm.get_mla_metadata()[0]
+    return lambda: fm.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=row[1] > 1,
+                                             use_legacy=True)
+
+
+def reference(row, inputs):
+    """The torch reference's out, or None where it would take too long."""
+    b, s_q, h_q, s_k = row
+    if b * s_k > 128 * 8192:
+        return None
+    q, k_cache, block_table, seqlens = inputs
+    return mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, mla_cute.get_mla_metadata()[0],
+                                           causal=s_q > 1, backend="reference")[0]
+
+
+def work(b, s_q, h_q, s_k):
+    """(FLOPs, bytes) of one call."""
+    return 2 * b * s_q * h_q * s_k * (576 + 512), 2 * (b * s_k * 576 + b * s_q * h_q * (576 + 512))
 
 
 def schedule_named(name: str):
@@ -117,85 +139,10 @@ def with_fields(named: dict, name: str):
     return sched
 
 
-def schedule_list(text: str) -> list:
-    """The names of ``--schedules``: ',' between names, ';' once a name changes fields (which use ',')."""
-    return text.split(";" if ";" in text or ":" in text else ",")
-
-
-def pick_rows(configs: list, quick: list, args) -> list:
-    """The rows ``--rows`` (numbers into ``configs``) or ``--quick`` select; all by default."""
-    if args.rows:
-        return [configs[int(i)] for i in args.rows.split(",")]
-    return quick if args.quick else configs
-
-
-def run(configs, schedule_name="default"):
-    schedule = schedule_named(schedule_name)
-    rows = []
-    for b, s_q, h_q, s_k in configs:
-        torch.manual_seed(b * 7 + s_q * 3 + h_q + s_k)
-        q, k_cache, block_table, seqlens = make_inputs(b, s_q, h_q, s_k)
-        meta, _ = mla_cute.get_mla_metadata()
-        fn = decode_call((q, k_cache, block_table, seqlens), s_q, schedule, meta)
-        out, _ = fn()
-        torch.cuda.synchronize()
-        err = rel_err(b, s_q, h_q, s_k, q, k_cache, block_table, seqlens, out) if schedule_name in (
-            "default", "seesaw") else float("nan")
-        warm_gpu()
-        ms = bench(fn, **REPS)
-        us = ms * 1e3
-        flops = 2 * b * s_q * h_q * s_k * (576 + 512)
-        nbytes = 2 * (b * s_k * 576 + b * s_q * h_q * (576 + 512))
-        rows.append(dict(b=b, s_q=s_q, h_q=h_q, s_k=s_k, us=us, tflops=flops / us / 1e6, gbps=nbytes / us / 1e3,
-                         rel_err=err, schedule=schedule_name))
-        del q, k_cache, block_table, seqlens, out, meta
-        torch.cuda.empty_cache()
-    return rows
-
-
-def table(rows, anchor, keys=("b", "s_q", "h_q", "s_k")):
-    """Markdown table of ``rows`` against the anchor rows with the same ``keys``; sets each row's
-    ``anchor_us`` and ``ratio`` (anchor time / ours)."""
-    ref = {tuple(r[k] for k in keys): r for r in anchor}
-    head = ["schedule", *keys, "us", "TFLOP/s", "GB/s", "rel_err", "FlashMLA us", "ratio"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        a = ref.get(tuple(r[k] for k in keys))
-        r["anchor_us"] = a["us"] if a else None
-        r["ratio"] = a["us"] / r["us"] if a else float("nan")
-        cells = [r["schedule"], *(str(r[k]) for k in keys), f"{r['us']:.1f}", f"{r['tflops']:.0f}", f"{r['gbps']:.0f}",
-                 f"{r['rel_err']:.2e}", f"{a['us'] if a else float('nan'):.1f}", f"{r['ratio']:.2f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def save(path, rows, method: str) -> None:
-    """The rows as JSON, with the device, versions and timing method."""
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
-                method=method)
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--anchor", default=ANCHOR)
-    ap.add_argument("--quick", action="store_true", help="three rows only")
-    ap.add_argument("--rows", default=None, help="comma list of row numbers of CONFIGS (0-based)")
-    ap.add_argument("--schedules", default="default",
-                    help="list of: default, serial, prefetch, seesaw (',' between names; ';' when a name "
-                    "changes fields: 'seesaw;seesaw:kv_evict_first=False')")
-    args = ap.parse_args()
-    configs = pick_rows(CONFIGS, CONFIGS[:1] + CONFIGS[6:7] + CONFIGS[-1:], args)
-    rows = []
-    for name in schedule_list(args.schedules):
-        rows += run(configs, name)
-    anchor = json.load(open(args.anchor)) if os.path.exists(args.anchor) else []
-    print(table(rows, anchor))
-    if args.out:
-        save(args.out, rows, "0.5 s of GPU work right before each row, then the median of "
-                            f"triton.testing.do_bench(warmup={REPS['warmup']}, rep={REPS['rep']}), whole call")
+    args = flashmla_side.parser("list of: default, serial, prefetch, seesaw (',' between names; ';' when a name "
+                                "changes fields: 'seesaw;seesaw:kv_evict_first=False')").parse_args()
+    flashmla_side.main([sys.modules[__name__]], args)
 
 
 if __name__ == "__main__":

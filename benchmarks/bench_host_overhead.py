@@ -7,7 +7,9 @@ region; the queue is drained every 25 calls outside it); median and p90 of 2000 
 Rows: the API as users call it (later calls replay the checked plan), the API with every
 check on every call (the first call's path), and its pieces: input validation, the output
 allocations, the compiled split+combine entry called directly, and two one-launch entries
-(the combine alone, the scheduler) that show what one launch and its tensors cost.
+(the combine alone, the scheduler) that show what one launch and its tensors cost.  Where ``flash_mla``
+imports, FlashMLA's call on the same tensors (``use_legacy=True``, metadata reused) too, and ``ratio`` =
+its median / the API's.
 
     python benchmarks/bench_host_overhead.py [--out results.json]
 """
@@ -22,6 +24,7 @@ import time
 import torch
 
 import mla_cute
+from flashmla_side import flash_mla
 from mla_cute import validation as V
 
 
@@ -105,6 +108,18 @@ def main():
                 api=timeit(api), api_full_checks=timeit(api_full_checks), compiled_entry=timeit(raw),
                 combine_entry=timeit(combine_only), scheduler_entry=timeit(scheduler_only),
                 validation=timeit(validate), output_alloc=timeit(alloc), one_alloc=timeit(one_alloc))
+    fm = flash_mla()
+    if fm is not None:  # FlashMLA's call on the same tensors (use_legacy=True), its metadata reused as well
+        flash_meta = fm.get_mla_metadata()[0]
+
+        def flashmla_api():
+            return fm.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, flash_meta, use_legacy=True)
+
+        flashmla_api()
+        rows["flashmla_api"] = timeit(flashmla_api)
+        rows["ratio"] = rows["flashmla_api"]["median_us"] / rows["api"]["median_us"]
+    else:
+        rows["flashmla_api"] = "flash_mla does not import"
     for k, v in rows.items():
         print(f"{k:16s} {v}")
     if args.out:

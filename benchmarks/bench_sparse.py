@@ -1,33 +1,40 @@
 """Sparse FP8 decode benchmark, by the method of the FlashMLA anchor numbers
-(benchmarks/results/anchor_flashmla_sparse_fp8_h200.json).
+(benchmarks/results/anchor_flashmla_sparse_fp8_h200.json), FlashMLA timed beside it (``flashmla_side.py``).
 
 Random distinct topk tokens per query out of its request's s_k, page 64, random block
 placement, 656-byte FP8 rows (random e4m3 values, power-of-two scales, bf16 RoPE), no
 topk_length, no sink, metadata computed on the first call and reused; after 0.5 s of GPU
-work, time = median of triton.testing.do_bench(fn, warmup=10, rep=100) over the whole call
-(split kernel + combine, or the split kernel alone when the plan splits no request).
+work, each of ``--rounds`` rounds times FlashMLA (where ``flash_mla`` imports; every call
+``use_legacy=True``) and every schedule once, the order rotated, by the median of
+triton.testing.do_bench(fn, warmup=10, rep=100) over the whole call (split kernel + combine,
+or the split kernel alone when the plan splits no request); time = the median over the
+rounds, ratio = FlashMLA's / ours.  Without ``flash_mla`` the ratio is against the anchor
+file, marked "remembered, another board".
 FLOPs = 2*b*s_q*h_q*topk*(576+512); bytes = b*s_q*topk*656 + 2*b*s_q*h_q*(576+512).
 
-    python benchmarks/bench_sparse.py [--out results.json] [--quick] [--schedules default,...]
+    python benchmarks/bench_sparse.py [--out results.json] [--quick] [--rows 0,3] [--schedules default,...]
+                                      [--anchor anchors.json] [--rounds 3]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 import torch
 
+import flashmla_side
 import mla_cute
-from bench_decode import bench, pick_rows, save, schedule_list, table, warm_gpu, with_fields
+from bench_decode import bench, warm_gpu, with_fields  # noqa: F401  (bench, warm_gpu: flashmla_side's kind)
 
+NAME = "sparse"
+KEYS = ("b", "s_q", "h_q", "s_k", "topk")
 CONFIGS = [  # (b, s_q, h_q, s_k, topk): the anchor's rows
     (2, 2, 128, 32768, 2048), (64, 2, 128, 32768, 2048), (74, 2, 128, 32768, 2048), (128, 2, 128, 32768, 2048),
     (128, 2, 64, 32768, 2048), (128, 1, 128, 32768, 2048), (64, 2, 128, 65536, 16384),
 ]
 ANCHOR = os.path.join(os.path.dirname(__file__), "results", "anchor_flashmla_sparse_fp8_h200.json")
+QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[4]]
 REPS = dict(warmup=10, rep=100)  # do_bench's, as the anchor was timed
 
 
@@ -57,20 +64,34 @@ def make_inputs(b, s_q, h_q, s_k, topk, page=64, device="cuda"):
     return q, k_cache, indices
 
 
-def sparse_call(inputs, schedule, meta):
-    """The whole sparse decode call on ``make_inputs``' tensors."""
+def call(row, inputs, schedule):
+    """The whole sparse decode call on ``make_inputs``' tensors, with fresh metadata."""
     q, k_cache, indices = inputs
+    meta = mla_cute.get_mla_metadata()[0]
     return lambda: mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, is_fp8_kvcache=True,
                                                    indices=indices, backend="cute", schedule=schedule)
 
 
-def rel_err(b, s_q, q, k_cache, indices, out):
-    """Relative error (Frobenius) against the torch reference, or NaN above 16 queries (too slow there)."""
-    if b * s_q > 16:
-        return float("nan")
-    ref, _ = mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, mla_cute.get_mla_metadata()[0],
-                                             is_fp8_kvcache=True, indices=indices, backend="reference")
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
+def flash_call(fm, row, inputs):
+    """FlashMLA's call (``fm``: the ``flash_mla`` package) on the same tensors."""
+    q, k_cache, indices = inputs
+    meta = fm.get_mla_metadata()[0]
+    return lambda: fm.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, is_fp8_kvcache=True,
+                                             indices=indices, use_legacy=True)
+
+
+def reference(row, inputs):
+    """The torch reference's out, or None above 16 queries (too slow there)."""
+    if row[0] * row[1] > 16:
+        return None
+    q, k_cache, indices = inputs
+    return mla_cute.flash_mla_with_kvcache(q, k_cache, None, None, 512, mla_cute.get_mla_metadata()[0],
+                                           is_fp8_kvcache=True, indices=indices, backend="reference")[0]
+
+
+def work(b, s_q, h_q, s_k, topk):
+    """(FLOPs, bytes) of one call."""
+    return 2 * b * s_q * h_q * topk * (576 + 512), b * s_q * topk * 656 + 2 * b * s_q * h_q * (576 + 512)
 
 
 def schedule_named(name: str):
@@ -79,47 +100,10 @@ def schedule_named(name: str):
     return with_fields(schedules(), name)
 
 
-def run(configs, schedule_name="default"):
-    schedule = schedule_named(schedule_name)
-    rows = []
-    for b, s_q, h_q, s_k, topk in configs:
-        torch.manual_seed(b * 7 + s_q * 3 + h_q + topk)
-        q, k_cache, indices = make_inputs(b, s_q, h_q, s_k, topk)
-        meta, _ = mla_cute.get_mla_metadata()
-        fn = sparse_call((q, k_cache, indices), schedule, meta)
-        out, _ = fn()
-        torch.cuda.synchronize()
-        err = rel_err(b, s_q, q, k_cache, indices, out)
-        warm_gpu()
-        us = bench(fn, **REPS) * 1e3
-        flops = 2 * b * s_q * h_q * topk * (576 + 512)
-        nbytes = b * s_q * topk * 656 + 2 * b * s_q * h_q * (576 + 512)
-        rows.append(dict(b=b, s_q=s_q, h_q=h_q, s_k=s_k, topk=topk, us=us, tflops=flops / us / 1e6,
-                         gbps=nbytes / us / 1e3, rel_err=err, schedule=schedule_name))
-        del q, k_cache, indices, out, meta
-        torch.cuda.empty_cache()
-    return rows
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--anchor", default=ANCHOR)
-    ap.add_argument("--quick", action="store_true", help="three rows only")
-    ap.add_argument("--schedules", default="default",
-                    help="list of: " + ", ".join(schedules()) + " (',' between names; ';' when a name changes "
-                    "fields: 'crossover;crossover:num_sm_parts=16')")
-    ap.add_argument("--rows", default=None, help="comma list of row numbers of CONFIGS (0-based)")
-    args = ap.parse_args()
-    configs = pick_rows(CONFIGS, [CONFIGS[0], CONFIGS[3], CONFIGS[4]], args)
-    rows = []
-    for name in schedule_list(args.schedules):
-        rows += run(configs, name)
-    anchor = json.load(open(args.anchor)) if os.path.exists(args.anchor) else []
-    print(table(rows, anchor, keys=("b", "s_q", "h_q", "s_k", "topk")))
-    if args.out:
-        save(args.out, rows, "0.5 s of GPU work right before each row, then the median of "
-                            f"triton.testing.do_bench(warmup={REPS['warmup']}, rep={REPS['rep']}), whole call")
+    args = flashmla_side.parser("list of: " + ", ".join(schedules()) + " (',' between names; ';' when a name "
+                                "changes fields: 'crossover;crossover:num_sm_parts=16')").parse_args()
+    flashmla_side.main([sys.modules[__name__]], args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Plot a dense decode result file against the FlashMLA anchor (needs matplotlib).
+"""Plot a dense decode result file's ratios to FlashMLA (needs matplotlib); the title says whether FlashMLA was
+timed in the same run or its times are the remembered anchor's (another board).
 
     python benchmarks/plot_results.py benchmarks/results/dense_decode_h200.json docs/performance.png \
         [--label "default=seesaw (default)"]
@@ -14,9 +15,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from flashmla_side import REMEMBERED, THIS_RUN  # noqa: E402
+
 
 def main(src: str, dst: str, labels: list) -> None:
-    rows = json.load(open(src))["rows"]
+    data = json.load(open(src))
+    rows = [r for r in data["rows"] if r.get("kind", "dense") == "dense"]
+    # Files from before FlashMLA ran in the same process hold no ratio_from: their ratios are the anchor's.
+    same_run = all(r.get("ratio_from") == THIS_RUN for r in rows)
     schedules = list(dict.fromkeys(r["schedule"] for r in rows))
     # A schedule name may hold '=' itself (default:load_warpgroup=False): match the names, not the first '='.
     labels_for = {name: x[len(name) + 1:] for x in labels for name in schedules if x.startswith(name + "=")}
@@ -31,7 +37,9 @@ def main(src: str, dst: str, labels: list) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([x + width * (len(schedules) - 1) / 2 for x in range(len(configs))], labels, fontsize=7)
     ax.set_ylabel("throughput / FlashMLA")
-    ax.set_title("mla-cute dense decode on the H200, relative to FlashMLA (same machine, same method)", fontsize=9)
+    flashmla = "FlashMLA timed in the same run" if same_run else f"FlashMLA's times {REMEMBERED}"
+    device = data["meta"]["device"]
+    ax.set_title(f"mla-cute dense decode on the {device}, relative to FlashMLA ({flashmla}, same method)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(dst)

@@ -1,4 +1,5 @@
-"""FlashMLA's precision statistics on FlashMLA's test data, for mla-cute schedules and FlashMLA's SM90 kernel.
+"""FlashMLA's precision statistics on FlashMLA's test data, for mla-cute schedules and FlashMLA's SM90 kernel
+(where ``flash_mla`` imports; ``use_legacy=True``).
 
     python benchmarks/precision.py [--seeds 8] [--schedules "default;default:partials_16bit=False"] [--out p.json]
 
@@ -23,17 +24,16 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import bench_decode  # noqa: E402
+from flashmla_side import flash_mla, schedule_list  # noqa: E402
 from gpu_cases import cos_diff, make_dense_case  # noqa: E402
 
 ROWS = [(1, 1, 4096, 1, 1, False), (1, 1, 4096, 128, 1, False), (2, 2, 4096, 64, 1, True), (6, 4, 4096, 9, 3, True),
         (1, 1, 131072, 128, 1, False), (2, 1, 4096, 128, 1, False)]
 
 
-def flashmla_out(case, causal):
-    import flash_mla
-
-    return flash_mla.flash_mla_with_kvcache(case["q"], case["k_cache"], case["block_table"], case["cache_seqlens"],
-                                            512, flash_mla.get_mla_metadata()[0], causal=causal, use_legacy=True)[0]
+def flashmla_out(fm, case, causal):
+    return fm.flash_mla_with_kvcache(case["q"], case["k_cache"], case["block_table"], case["cache_seqlens"], 512,
+                                     fm.get_mla_metadata()[0], causal=causal, use_legacy=True)[0]
 
 
 def ours(case, causal, schedule):
@@ -47,8 +47,9 @@ def main():
     ap.add_argument("--schedules", default="default;default:partials_16bit=False")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    names = bench_decode.schedule_list(args.schedules)
+    names = schedule_list(args.schedules)
     schedules = {n: bench_decode.schedule_named(n) for n in names}
+    fm = flash_mla()  # FlashMLA's column only where flash_mla imports
     rows = []
     for b, s_q, s_k, h_q, h_kv, causal in ROWS:
         stats = {n: [] for n in ["flashmla", *names]}
@@ -57,7 +58,7 @@ def main():
             ref = mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512,
                                                   tile_scheduler_metadata=mla_cute.get_mla_metadata()[0],
                                                   causal=causal, backend="reference")[0].float()
-            outs = {"flashmla": flashmla_out(case, causal) if h_kv == 1 else None}
+            outs = {"flashmla": flashmla_out(fm, case, causal) if h_kv == 1 and fm is not None else None}
             outs.update({n: ours(case, causal, s) for n, s in schedules.items()})
             for n, out in outs.items():
                 if out is not None:

@@ -17,13 +17,13 @@ def check(name, b, s_q, s_k, h_q, h_kv, causal=False, varlen=False, dtype=torch.
     meta = mla_cute.get_mla_metadata()[0]
     t = time.time()
     poison_allocator()
-    o, l = mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta, causal=causal, backend="cute")
+    o, lse = mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta, causal=causal, backend="cute")
     torch.cuda.synchronize()
     fin = torch.isfinite(ref_o)
     err = (o.float() - ref_o.float())[fin].abs().max().item() if fin.any() else 0.0
-    lerr = (l - ref_l)[torch.isfinite(ref_l)].abs().max().item() if torch.isfinite(ref_l).any() else 0.0
+    lerr = (lse - ref_l)[torch.isfinite(ref_l)].abs().max().item() if torch.isfinite(ref_l).any() else 0.0
     nan_o = torch.isnan(o).sum().item()
-    inf_match = torch.equal(torch.isinf(l), torch.isinf(ref_l))
+    inf_match = torch.equal(torch.isinf(lse), torch.isinf(ref_l))
     print(f"{name:28s} out max err {err:.3e} lse max err {lerr:.3e} NaN in out {nan_o} inf match {inf_match} "
           f"({time.time() - t:.1f}s incl. compile) splits {meta.num_splits[-1].item()}", flush=True)
 

@@ -9,7 +9,8 @@ import sys
 import torch
 sys.path.insert(0, "benchmarks")
 import mla_cute  # noqa: E402
-from bench_decode import make_inputs, schedule_list, schedule_named  # noqa: E402
+from bench_decode import make_inputs, schedule_named  # noqa: E402
+from flashmla_side import schedule_list  # noqa: E402
 import bench_sparse  # noqa: E402
 
 ap = argparse.ArgumentParser()

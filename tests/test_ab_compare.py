@@ -54,10 +54,38 @@ def test_malformed_spec_is_rejected(tmp_path, rows, match):
         ab_compare.load_spec(_spec(tmp_path, rows))
 
 
+def _timings(variant, times, row=(1, 1, 128, 4096)):
+    return [dict(kind="dense", row=list(row), variant=variant, round=r, us=us) for r, us in enumerate(times)]
+
+
 def test_summary_reports_median_and_range():
     import ab_compare
 
-    results = [dict(kind="dense", row=[1, 1, 128, 4096], variant="default", round=r, us=us)
-               for r, us in enumerate((18.0, 18.4, 17.9))]
-    assert ab_compare.summary(results) == ("dense (1, 1, 128, 4096) default: median 18.0 us, range 17.9-18.4 "
-                                           "(18.0 18.4 17.9)")
+    meds = ab_compare.medians(_timings("default", (18.0, 18.4, 17.9)), {"dense": {}})
+    assert ab_compare.summary(meds) == ("dense (1, 1, 128, 4096) default: median 18.0 us, range 17.9-18.4 "
+                                        "(18.0 18.4 17.9)")
+
+
+def test_ratio_to_flashmla_of_the_same_run():
+    import ab_compare
+
+    results = _timings("default", (18.0, 18.4, 17.9)) + _timings("flashmla", (20.0, 19.0, 21.0))
+    default, flash = ab_compare.medians(results, {"dense": {(1, 1, 128, 4096): 99.0}})
+    assert (default["ratio"], default["flashmla_us"], default["ratio_from"]) == (20.0 / 18.0, 20.0, "this run")
+    assert "ratio" not in flash
+    assert ab_compare.summary([default, flash]).splitlines() == [
+        "dense (1, 1, 128, 4096) default: median 18.0 us, range 17.9-18.4 (18.0 18.4 17.9), ratio 1.111 (this run)",
+        "dense (1, 1, 128, 4096) flashmla: median 20.0 us, range 19.0-21.0 (20.0 19.0 21.0)"]
+
+
+def test_ratio_without_flashmla_is_remembered_and_marked():
+    import ab_compare
+
+    results = _timings("default", (18.0,)) + _timings("default", (30.0,), row=(2, 1, 128, 4096))
+    kept, lacking = ab_compare.medians(results, {"dense": {(1, 1, 128, 4096): 27.0}})
+    assert (kept["ratio"], kept["ratio_from"]) == (1.5, "remembered, another board")
+    assert lacking["ratio_from"] is None
+    assert ab_compare.summary([kept, lacking]).splitlines() == [
+        ("dense (1, 1, 128, 4096) default: median 18.0 us, range 18.0-18.0 (18.0), ratio 1.500 "
+         "(remembered, another board)"),
+        "dense (2, 1, 128, 4096) default: median 30.0 us, range 30.0-30.0 (30.0)"]
