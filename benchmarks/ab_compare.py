@@ -4,7 +4,7 @@
 
 SPEC is a JSON list of rows, each comparing variants on one configuration:
 
-    [{"kind": "dense", "row": [1, 1, 128, 131072], "variants": ["default", "default:partials_16bit=False"]},
+    [{"kind": "dense", "row": [1, 1, 128, 131072], "variants": ["default", "serial"]},
      {"kind": "sparse", "row": [2, 2, 128, 32768, 2048], "variants": ["default", "default:small_plan_tiles=0"]}]
 
 ``row`` is ``(b, s_q, h_q, s_k)`` for dense decode and ``(b, s_q, h_q, s_k, topk)`` for sparse decode;
@@ -58,7 +58,7 @@ def load_spec(path: str) -> list:
         for name in variants:
             try:
                 schedules[name] = named(name)
-                schedules[name].validate()
+                getattr(schedules[name], "schedule", schedules[name]).validate()  # a dense Variant's, or the schedule
             except (KeyError, TypeError, ValueError, SyntaxError) as e:
                 raise ValueError(f"{path} row {i}: variant {name!r}: {e}") from e
         rows.append((kind, tuple(row), schedules))

@@ -17,6 +17,7 @@ FLOPs = 2*b*s_q*h_q*s_k*(576+512); bytes = 2*(b*s_k*576 + b*s_q*h_q*(576+512)).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -25,6 +26,8 @@ import torch
 
 import flashmla_side
 import mla_cute
+import mla_cute.schedules
+from experiments import EXPERIMENTS
 
 NAME = "dense"
 KEYS = ("b", "s_q", "h_q", "s_k")
@@ -84,12 +87,29 @@ def make_inputs(b, s_q, h_q, s_k, dtype=torch.bfloat16, page=64, device="cuda"):
     return q, k_cache, block_table, seqlens
 
 
-def call(row, inputs, schedule):
+def call(row, inputs, variant):
     """The whole dense decode call on ``make_inputs``' tensors (causal when s_q > 1), with fresh metadata."""
     q, k_cache, block_table, seqlens = inputs
     meta = mla_cute.get_mla_metadata()[0]
-    return lambda: mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=row[1] > 1,
-                                                   backend="cute", schedule=schedule)
+    return lambda: dense_decode(variant, q, k_cache, block_table, seqlens, 512, meta, causal=row[1] > 1,
+                                backend="cute")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A dense schedule, and the experiment (``experiments.py``; "" for none) its calls resolve under."""
+
+    schedule: object
+    experiment: str = ""
+
+
+def dense_decode(variant: Variant, *args, **kwargs):
+    """``mla_cute.flash_mla_with_kvcache(*args, schedule=variant.schedule, **kwargs)`` under the variant's
+    experiment (which acts where a metadata object's first call resolves its kernels)."""
+    if not variant.experiment:
+        return mla_cute.flash_mla_with_kvcache(*args, schedule=variant.schedule, **kwargs)
+    with mla_cute.schedules.experiment(EXPERIMENTS[variant.experiment]):
+        return mla_cute.flash_mla_with_kvcache(*args, schedule=variant.schedule, **kwargs)
 
 
 def flash_call(fm, row, inputs):
@@ -115,14 +135,15 @@ def work(b, s_q, h_q, s_k):
     return 2 * b * s_q * h_q * s_k * (576 + 512), 2 * (b * s_k * 576 + b * s_q * h_q * (576 + 512))
 
 
-def schedule_named(name: str):
-    """default, serial, prefetch or seesaw, optionally with fields changed for a sweep:
-    ``seesaw:kv_evict_first=False``, ``default:split_fixed_cost=3,num_sm_parts=64``."""
-    from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE,
-                                    SERIAL_DENSE_SCHEDULE)
-
-    return with_fields({"default": DEFAULT_DENSE_SCHEDULE, "serial": SERIAL_DENSE_SCHEDULE,
-                        "prefetch": PREFETCH_DENSE_SCHEDULE, "seesaw": SEESAW_DENSE_SCHEDULE}, name)
+def schedule_named(name: str) -> Variant:
+    """``default`` or an experiment of ``experiments.py`` (the default schedule, its kernels rewritten),
+    optionally with schedule fields changed for a sweep: ``default:split_fixed_cost=3,num_sm_parts=64``,
+    ``serial:quad_multicast_tiles=0``."""
+    base, _, fields = name.partition(":")
+    if base != "default" and base not in EXPERIMENTS:
+        raise KeyError(f"unknown dense variant {base!r}: default or one of {sorted(EXPERIMENTS)}")
+    schedule = with_fields({base: mla_cute.schedules.DEFAULT_DENSE_SCHEDULE}, name)
+    return Variant(schedule, "" if base == "default" else base)
 
 
 def with_fields(named: dict, name: str):
@@ -140,8 +161,8 @@ def with_fields(named: dict, name: str):
 
 
 def main():
-    args = flashmla_side.parser("list of: default, serial, prefetch, seesaw (',' between names; ';' when a name "
-                                "changes fields: 'seesaw;seesaw:kv_evict_first=False')").parse_args()
+    args = flashmla_side.parser("list of: default, " + ", ".join(EXPERIMENTS) + " (',' between names; ';' when a "
+                                "name changes fields: 'default;default:split_fixed_cost=3')").parse_args()
     flashmla_side.main([sys.modules[__name__]], args)
 
 

@@ -39,12 +39,9 @@ REPS = dict(warmup=10, rep=100)  # do_bench's, as the anchor was timed
 
 
 def schedules():
-    from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, SERIAL_SPARSE_SCHEDULE, SparseDecodeSchedule
+    from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE
 
-    return {"default": DEFAULT_SPARSE_SCHEDULE,
-            "no_crossover": SparseDecodeSchedule(crossover=False),
-            "crossover": SparseDecodeSchedule(crossover=True),
-            "serial": SERIAL_SPARSE_SCHEDULE}
+    return {"default": DEFAULT_SPARSE_SCHEDULE}
 
 
 def make_inputs(b, s_q, h_q, s_k, topk, page=64, device="cuda"):
@@ -96,13 +93,13 @@ def work(b, s_q, h_q, s_k, topk):
 
 def schedule_named(name: str):
     """A name of ``schedules()``, optionally with fields changed for a sweep:
-    ``crossover:num_sm_parts=16``, ``default:split_fixed_cost=2``."""
+    ``default:num_sm_parts=16``, ``default:split_fixed_cost=2``."""
     return with_fields(schedules(), name)
 
 
 def main():
     args = flashmla_side.parser("list of: " + ", ".join(schedules()) + " (',' between names; ';' when a name "
-                                "changes fields: 'crossover;crossover:num_sm_parts=16')").parse_args()
+                                "changes fields: 'default;default:num_sm_parts=16')").parse_args()
     flashmla_side.main([sys.modules[__name__]], args)
 
 

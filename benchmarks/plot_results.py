@@ -2,7 +2,7 @@
 timed in the same run or its times are the remembered anchor's (another board).
 
     python benchmarks/plot_results.py benchmarks/results/dense_decode_h200.json docs/performance.png \
-        [--label "default=seesaw (default)"]
+        [--label "serial=serial baseline"]
 """
 
 from __future__ import annotations

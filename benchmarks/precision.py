@@ -1,7 +1,7 @@
 """FlashMLA's precision statistics on FlashMLA's test data, for mla-cute schedules and FlashMLA's SM90 kernel
 (where ``flash_mla`` imports; ``use_legacy=True``).
 
-    python benchmarks/precision.py [--seeds 8] [--schedules "default;default:partials_16bit=False"] [--out p.json]
+    python benchmarks/precision.py [--seeds 8] [--schedules "default;default:split_fixed_cost=3"] [--out p.json]
 
 Each row (b, s_q, s_k, h_q, h_kv, causal) is drawn as FlashMLA's dense test draws it (``tests/gpu_cases.py``:
 normal / 10 clamped to [-1, 1], NaN in unused pages); every kernel's out is compared with the torch reference
@@ -36,15 +36,15 @@ def flashmla_out(fm, case, causal):
                                      fm.get_mla_metadata()[0], causal=causal, use_legacy=True)[0]
 
 
-def ours(case, causal, schedule):
-    return mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=mla_cute.get_mla_metadata()[0],
-                                           causal=causal, schedule=schedule)[0]
+def ours(case, causal, variant):
+    return bench_decode.dense_decode(variant, **case, head_dim_v=512,
+                                     tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], causal=causal)[0]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--schedules", default="default;default:partials_16bit=False")
+    ap.add_argument("--schedules", default="default")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     names = schedule_list(args.schedules)

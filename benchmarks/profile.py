@@ -1,6 +1,6 @@
 """Nsight Compute profile of one decode configuration (run on the GPU machine).
 
-    python benchmarks/profile.py --b 128 --s-q 1 --h-q 128 --s-k 4096 [--schedule seesaw] [--out DIR]
+    python benchmarks/profile.py --b 128 --s-q 1 --h-q 128 --s-k 4096 [--schedule default] [--out DIR]
     python benchmarks/profile.py --sparse --b 128 --s-q 2 --h-q 128 --s-k 32768 --topk 2048
 
 Runs ncu on the split kernel of one call (``--kernel combine``: the combine kernel) and prints duration, DRAM throughput, tensor-pipe
@@ -53,7 +53,7 @@ def workload(args):
 
     sys.path.insert(0, os.path.dirname(__file__))
     import mla_cute
-    from bench_decode import make_inputs, schedule_named
+    from bench_decode import dense_decode, make_inputs, schedule_named
 
     if args.sparse:
         from bench_sparse import make_inputs as make_sparse, schedules
@@ -69,8 +69,7 @@ def workload(args):
     q, k_cache, block_table, seqlens = make_inputs(args.b, args.s_q, args.h_q, args.s_k)
     meta, _ = mla_cute.get_mla_metadata()
     for _ in range(3):
-        mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=args.s_q > 1,
-                                        schedule=sched)
+        dense_decode(sched, q, k_cache, block_table, seqlens, 512, meta, causal=args.s_q > 1)
     torch.cuda.synchronize()
 
 
@@ -81,8 +80,8 @@ def main():
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--s-k", type=int, default=4096)
     ap.add_argument("--schedule", default="default",
-                    help="dense: default, serial, prefetch or seesaw, optionally with fields changed "
-                    "('default:cross_term_first=False', as bench_decode.py takes); sparse: a name of "
+                    help="dense: default or an experiment (benchmarks/experiments.py), optionally with fields changed "
+                    "('default:split_fixed_cost=3', as bench_decode.py takes); sparse: a name of "
                     "bench_sparse.schedules()")
     ap.add_argument("--kernel", choices=["split", "combine"], default="split")
     ap.add_argument("--sparse", action="store_true", help="profile the sparse FP8 decode kernel")

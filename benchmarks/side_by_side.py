@@ -2,7 +2,7 @@
 same inputs, in one process, interleaved: the dense and the sparse benchmark in one run.
 
     python benchmarks/side_by_side.py [--kind dense|sparse|all] [--rows 0,3] [--rounds 5]
-                                      [--schedules "default;default:partials_16bit=False"] [--out rows.json]
+                                      [--schedules "default;serial"] [--out rows.json]
 
 Rows, inputs, timing and ratio are those of ``bench_decode.py`` (dense) and ``bench_sparse.py`` (sparse FP8
 decode), by ``flashmla_side.py``: each round times FlashMLA and every mla-cute schedule once, the order rotated

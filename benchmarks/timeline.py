@@ -1,6 +1,6 @@
 """Kernel timeline of a few decode calls (torch profiler): each kernel's duration and the gap before it.
 
-    python benchmarks/timeline.py seesaw,serial [--b 128 --s-q 1 --h-q 128 --s-k 4096]
+    python benchmarks/timeline.py default,serial [--b 128 --s-q 1 --h-q 128 --s-k 4096]
     python benchmarks/timeline.py default --sparse --b 2 --s-q 2 --s-k 32768 --topk 2048
 """
 import argparse
@@ -9,7 +9,7 @@ import sys
 import torch
 sys.path.insert(0, "benchmarks")
 import mla_cute  # noqa: E402
-from bench_decode import make_inputs, schedule_named  # noqa: E402
+from bench_decode import dense_decode, make_inputs, schedule_named  # noqa: E402
 from flashmla_side import schedule_list  # noqa: E402
 import bench_sparse  # noqa: E402
 
@@ -37,8 +37,7 @@ for name in schedule_list(args.schedules):
         q, k, bt, sl = make_inputs(b, s_q, h_q, s_k)
 
         def fn():
-            return mla_cute.flash_mla_with_kvcache(q, k, bt, sl, 512, meta, causal=s_q > 1, backend="cute",
-                                                   schedule=sched)
+            return dense_decode(sched, q, k, bt, sl, 512, meta, causal=s_q > 1, backend="cute")
 
     for _ in range(5):
         fn()

@@ -1,8 +1,11 @@
-"""Compile entry points of the kernels, with fake tensors (no GPU needed to compile)."""
+"""Compile entry points of the kernels, with fake tensors (no GPU needed to compile).  Each takes a frozen
+config (``mla_cute.schedules.configs``) and keys the compile cache on it."""
 
 from __future__ import annotations
 
-from ..jit import cached_compile, compile_options, cutlass_dtype, prepare_dsl
+import dataclasses
+
+from ..jit import cached_compile, compile_options, prepare_dsl
 
 prepare_dsl()
 
@@ -10,10 +13,9 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor  # noqa: E402
 
-from ..schedules.dense import DenseDecodeSchedule  # noqa: E402
-from ..schedules.planner import FILL_SHARE_ONE  # noqa: E402
-from .dense_decode import D_QK, D_V, DenseDecodeKernel  # noqa: E402
-from .dense_seesaw import DenseSeesawKernel  # noqa: E402
+from ..schedules.configs import (CombineConfig, DenseStepConfig, SchedulerConfig,  # noqa: E402
+                                 SparseStepConfig)
+from .constants import D_QK, D_V, DTYPES  # noqa: E402
 
 
 def _sym(div: int = 1, width: int = 32):
@@ -54,113 +56,76 @@ def _scale_and_stream():
     return cutlass.Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
-def dense_decode_signature(dtype, s_q: int, h_q: int, h_kv: int, page: int, partial_dtype=cutlass.Float32):
-    """Fake tensors matching ``DenseDecodeKernel.__call__``."""
+def dense_decode_signature(dtype, s_q: int, h_q: int, h_kv: int, page: int):
+    """Fake tensors matching ``DenseSeesawKernel.__call__`` (fp32 partials)."""
     rows = s_q * (h_q // h_kv)
     b, nb, mb = _sym(), _sym(), _sym()
     q = make_fake_tensor(dtype, (b, rows, h_kv, D_QK), (_s64(), _s64(), _s64(), 1), assumed_align=16)
     k = make_fake_tensor(dtype, (nb, page, h_kv, D_QK), (_s64(), _s64(), _s64(), 1), assumed_align=16)
     block_table = make_fake_tensor(cutlass.Int32, (b, mb), (_sym(1, 64), 1), assumed_align=4)
     seqlens = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4)
-    return (q, k, block_table, seqlens, *_split_io(dtype, b, s_q, h_q, h_kv, partial_dtype), *_scale_and_stream())
+    return (q, k, block_table, seqlens, *_split_io(dtype, b, s_q, h_q, h_kv), *_scale_and_stream())
 
 
-def dense_decode_key(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int, schedule: DenseDecodeSchedule):
-    return ("dense_decode", str(torch_dtype), s_q, h_q // h_kv, h_kv, bool(causal and s_q > 1), page,
-            schedule.kernel_key())
+def _dense_kernel(config):
+    from .dense_seesaw import DenseSeesawKernel
+    from .dense_serial import DenseSerialKernel
+
+    return (DenseSerialKernel if config.kernel == "serial" else DenseSeesawKernel)(config)
 
 
-def _describe(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) -> str:
-    return (f"{str(torch_dtype).replace('torch.', '')} s_q={s_q} h_q={h_q} h_kv={h_kv} causal={causal} "
-            f"page={page} kv_stages={schedule.kv_stages} qk_prefetch={schedule.qk_prefetch} "
-            f"kv_evict_first={schedule.kv_evict_first} seesaw={schedule.seesaw} "
-            f"cross_term_first={schedule.cross_term_first} tile_multicast={schedule.tile_multicast} "
-            f"cluster_ctas={schedule.cluster_ctas_of_call(s_q, h_q, h_kv, causal)} "
-            f"load_warpgroup={schedule.load_warpgroup_on()} partials_16bit={schedule.partials_16bit}")
-
-
-def compile_dense_decode(torch_dtype, s_q: int, h_q: int, h_kv: int, causal: bool, page: int,
-                         schedule: DenseDecodeSchedule, options: str = "", *, with_combine: bool = False,
-                         fill: bool = False):
-    """The compiled dense decode split kernel for these static facts (``with_combine``: split + combine
-    behind one host entry, as the runtime calls it).  ``kv_evict_first=None`` (chosen per plan) builds the
-    kernel for a plan the host does not know; the runtime passes ``schedule.for_plan(...)``.  ``fill``: a
-    schedule of 4-CTA clusters, built as the idle-SM fill's step (``fill.py``: the clusters' kernel, the
-    pairs' kernel and, ``with_combine``, the combine), which takes the fill parts' records after the
-    clusters' (``mSched``, ``mFillSched``)."""
-    schedule.validate()
-    schedule = schedule.for_plan(None)
-    causal = causal and s_q > 1
-    if fill and schedule.cluster_ctas_of_call(s_q, h_q, h_kv, causal) != 4:
-        raise ValueError("fill=True needs a schedule of 4-CTA clusters for this shape (multicast_ctas=4 and four M "
-                         "tiles to a cluster)")
-    key = dense_decode_key(torch_dtype, s_q, h_q, h_kv, causal, page, schedule) + (options, with_combine)
-    if fill:
-        key += ("fill",)
+def compile_dense(step: DenseStepConfig, options: str = ""):
+    """The compiled dense decode step: the split kernel alone, or behind one host entry with the combine
+    (``step.with_combine``), and with ``step.fill`` the idle-SM fill's pair kernel between them
+    (``fill.py``), which takes the fill parts' records after the clusters' (``mSched``, ``mFillSched``)."""
+    split = step.split
+    if step.fill and split.cluster_ctas != 4:
+        raise ValueError(f"the idle-SM fill runs after 4-CTA clusters, got cluster_ctas={split.cluster_ctas}")
 
     def build():
-        dtype = cutlass_dtype(torch_dtype)
-        group = h_q // h_kv
-        combine = None
-        if with_combine:
-            from .combine import CombineKernel
+        from .combine import CombineKernel
 
-            combine = CombineKernel(dtype, group, s_q, chunked_batch=schedule.combine_chunked_batch,
-                                    spread_partials=schedule.combine_spread_partials,
-                                    pdl=schedule.combine_pdl)
-        facts = (dtype, s_q * group, group, s_q, causal, page)
-        if fill:
+        combine = CombineKernel(step.combine) if step.with_combine else None
+        if step.fill:
+            from .dense_seesaw import DenseSeesawKernel
             from .fill import DenseDecodeFillStep
 
-            kernel = DenseDecodeFillStep(DenseSeesawKernel(*facts, schedule, fill_role="clusters"),
-                                         DenseSeesawKernel(*facts, schedule.as_pairs(), fill_role="fill"), combine)
+            pairs = dataclasses.replace(split, cluster_ctas=2)
+            kernel = DenseDecodeFillStep(DenseSeesawKernel(split, fill_role="clusters"),
+                                         DenseSeesawKernel(pairs, fill_role="fill"), combine)
         else:
-            kernel = (DenseSeesawKernel if schedule.seesaw else DenseDecodeKernel)(*facts, schedule)
+            kernel = _dense_kernel(split)
             if combine is not None:
                 from .dense_step import DenseDecodeStep
 
                 kernel = DenseDecodeStep(kernel, combine)
-        partial = dtype if schedule.partials_16bit else cutlass.Float32
-        args = dense_decode_signature(dtype, s_q, h_q, h_kv, page, partial)
-        if fill:  # the fill parts' records: a second table like the first
+        args = dense_decode_signature(DTYPES[split.dtype], split.s_q, split.group * split.h_kv, split.h_kv,
+                                      split.page)
+        if step.fill:  # the fill parts' records: a second table like the first
             args = args[:5] + (_records(),) + args[5:]
         return cute.compile(kernel, *args, options=compile_options(options))
 
-    what = ("dense decode step " if with_combine else "dense decode split kernel ") + _describe(
-        torch_dtype, s_q, h_q, h_kv, causal, page, schedule) + (" with the idle-SM fill" if fill else "")
-    return cached_compile(key, build, describe=what, persistent=not options)
+    return cached_compile(("dense_decode", step, options), build, describe=f"dense decode {step}",
+                          persistent=not options)
 
 
-def compile_combine(torch_dtype, s_q: int, h_q: int, h_kv: int, options: str = "", chunked_batch: int = 4,
-                    spread_partials: int = 48, pdl: bool = False):
-    """The combine kernel alone (the runtime calls it inside the decode steps, there with the schedule's
-    ``combine_pdl``)."""
+def compile_combine(config: CombineConfig, h_kv: int = 1, options: str = ""):
+    """The combine kernel alone (the runtime calls it inside the decode steps)."""
     from .combine import CombineKernel
 
-    key = ("combine", str(torch_dtype), s_q, h_q, h_kv, options, chunked_batch, spread_partials, pdl)
-
     def build():
-        dtype = cutlass_dtype(torch_dtype)
-        _, num_splits, out, lse, o_acc, lse_acc = _split_io(dtype, _sym(), s_q, h_q, h_kv)
+        dtype = DTYPES[config.dtype]
+        _, num_splits, out, lse, o_acc, lse_acc = _split_io(dtype, _sym(), config.s_q, config.group * h_kv, h_kv)
         args = (num_splits, o_acc, lse_acc, out, lse, None, make_fake_stream(use_tvm_ffi_env_stream=True))
-        kernel = CombineKernel(dtype, h_q // h_kv, s_q, chunked_batch=chunked_batch, spread_partials=spread_partials,
-                               pdl=pdl)
-        return cute.compile(kernel, *args, options=compile_options(options))
+        return cute.compile(CombineKernel(config), *args, options=compile_options(options))
 
-    what = (f"combine s_q={s_q} h_q={h_q} h_kv={h_kv} chunked_batch={chunked_batch} spread_partials={spread_partials} "
-            f"pdl={pdl}")
-    return cached_compile(key, build, describe=what, persistent=not options)
+    return cached_compile(("combine", config, h_kv, options), build, describe=f"combine {config} h_kv={h_kv}",
+                          persistent=not options)
 
 
-def compile_scheduler(fixed_cost: int, unsplit_slack: int = 0, even_split_slack: int = 0, fill_parts: int = 0,
-                      fill_share: int = FILL_SHARE_ONE, options: str = ""):
-    """The scheduler kernel for a planner policy (``schedule.plan_policy``, and with fill parts the two more
-    arguments of ``mla_cute.backend.DensePlanChoice.policy``)."""
+def compile_scheduler(config: SchedulerConfig, options: str = ""):
+    """The GPU planner for a policy (``SchedulerConfig``)."""
     from .scheduler import SchedulerKernel
-
-    key = ("scheduler", fixed_cost, unsplit_slack, even_split_slack, options)
-    if fill_parts:
-        key += (fill_parts, fill_share)
 
     def build():
         args = (
@@ -170,13 +135,10 @@ def compile_scheduler(fixed_cost: int, unsplit_slack: int = 0, even_split_slack:
             cutlass.Int32(0),
             make_fake_stream(use_tvm_ffi_env_stream=True),
         )
-        return cute.compile(SchedulerKernel(fixed_cost, unsplit_slack, even_split_slack, fill_parts, fill_share),
-                            *args, options=compile_options(options))
+        return cute.compile(SchedulerKernel(config), *args, options=compile_options(options))
 
-    what = f"scheduler fixed_cost={fixed_cost} unsplit_slack={unsplit_slack} even_split_slack={even_split_slack}"
-    if fill_parts:
-        what += f" fill_parts={fill_parts} fill_share={fill_share}"
-    return cached_compile(key, build, describe=what, persistent=not options)
+    return cached_compile(("scheduler", config, options), build, describe=f"scheduler {config}",
+                          persistent=not options)
 
 
 def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length: bool, partials_16bit: bool = False):
@@ -196,37 +158,24 @@ def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length:
     return (q, cache, indices, topk_len, *_split_io(bf16, b, s_q, h_q, 1, partial), sink, *_scale_and_stream())
 
 
-def compile_sparse_decode(s_q: int, h_q: int, has_sink: bool, schedule, options: str = "", *,
-                          with_combine: bool = False, has_topk_length: bool = False):
-    """The compiled sparse FP8 decode split kernel (``with_combine``: split + combine behind one entry).
-    ``has_topk_length``: the calls pass ``topk_length``; without it the kernel takes None there and every
-    request attends to topk tokens, with no length to load.  ``partials_16bit=None`` or ``producer_halves=None``
-    (chosen per plan) builds the kernel for a plan that is not small; the runtime passes ``schedule.for_plan(...)``."""
-    schedule.validate()
-    if schedule.partials_16bit is None or schedule.producer_halves is None:
-        schedule = schedule.for_plan(False)
-    key = ("sparse_decode_fp8", s_q, h_q, bool(has_sink), schedule.kernel_key(), options, with_combine,
-           bool(has_topk_length))
+def compile_sparse(step: SparseStepConfig, options: str = ""):
+    """The compiled sparse FP8 decode step: the split kernel, with the combine behind one entry when
+    ``step.with_combine``.  Without ``has_topk_length`` the kernel takes None there and every request attends
+    to topk tokens."""
+    split = step.split
 
     def build():
         from .sparse_decode_fp8 import SparseDecodeFp8Kernel
 
-        kernel = SparseDecodeFp8Kernel(h_q, s_q, has_sink, schedule)
-        if with_combine:
+        kernel = SparseDecodeFp8Kernel(split)
+        if step.with_combine:
             from .combine import CombineKernel
             from .sparse_step import SparseDecodeStep
 
-            kernel = SparseDecodeStep(
-                kernel, CombineKernel(cutlass.BFloat16, h_q, s_q, has_sink, schedule.combine_chunked_batch,
-                                     schedule.combine_spread_partials, schedule.combine_pdl))
-        args = sparse_decode_signature(s_q, h_q, has_sink, has_topk_length, schedule.partials_16bit)
-        return cute.compile(kernel, *args,
-                            options=compile_options(options))
+            kernel = SparseDecodeStep(kernel, CombineKernel(step.combine))
+        args = sparse_decode_signature(split.s_q, split.h_q, split.has_sink, split.has_topk_length,
+                                       split.partials_16bit)
+        return cute.compile(kernel, *args, options=compile_options(options))
 
-    what = (("sparse decode step " if with_combine else "sparse decode split kernel ")
-            + f"s_q={s_q} h_q={h_q} sink={bool(has_sink)} topk_length={bool(has_topk_length)} "
-            + f"kv_stages={schedule.kv_stages} "
-            + f"crossover={schedule.crossover} peer_bulk_copy={schedule.peer_bulk_copy} "
-            + f"leader_follower={schedule.leader_follower} partials_16bit={schedule.partials_16bit} "
-            + f"fp16_operands={schedule.fp16_operands} producer_halves={schedule.producer_halves}")
-    return cached_compile(key, build, describe=what, persistent=not options)
+    return cached_compile(("sparse_decode_fp8", step, options), build, describe=f"sparse decode {step}",
+                          persistent=not options)

@@ -11,7 +11,7 @@ Three launches, picked at run time from the batch size b and the parts the works
   CTA of 8 warps a row chunk.  Warp w merges partials w, w + 8, ... into a running (max, sum, O)
   of its own, 8 loads in flight; the warps meet in shared memory, where warp 0 merges their results
   and writes the chunk.  A row of up to 64 partials waits for one group of loads instead of eight.
-With the schedule's ``combine_pdl`` each launch is a programmatic dependent launch: a CTA reads the split
+Each launch is a programmatic dependent launch: a CTA reads the split
 counts (the scheduler wrote them before the split kernel ran; the spread launch its sink too), then waits
 for the split grid (``griddepcontrol.wait``) before it reads a partial.  Every thread waits, split request
 or not, so the combine's completion still implies the split kernel's for the work behind it in the stream.
@@ -27,8 +27,8 @@ combine alone: 9.3 us against 7.9 one warp a chunk, partials in L2); with 66 or 
 one warp a chunk waits for 9 or 17 groups of loads in turn, and the spread calls were 3-11% faster
 (docs/performance.md, entry 31).
 
-Partial i of a row carries O_i (normalised by its own sum; fp32, or the output's 16-bit dtype with
-the schedule's ``partials_16bit``) and lse_i in base 2, fp32 (-inf when it saw no token).  With
+Partial i of a row carries O_i (normalised by its own sum; fp32, or bf16 for sparse decode's small
+plans) and lse_i in base 2, fp32 (-inf when it saw no token).  With
 L = log2(sum_i 2^lse_i):  out = sum_i 2^(lse_i - L) O_i,
 lse = L * ln 2; L = -inf (nothing attended anywhere) gives out 0 and lse +inf.  With an
 attention sink (sparse decode), out is further scaled by 2^L / (2^L + 2^sink); lse is not.
@@ -36,16 +36,15 @@ attention sink (sparse decode), out is further scaled by 2^L / (2^L + 2^sink); l
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass.memory import SmemAllocator
 
-from .consumer import LOG2_E, sink_factor
+from ..schedules.configs import CombineConfig
+from .constants import D_V, DTYPES, LN_2, LOG2_E
+from .softmax import sink_factor
 from .layouts import lse_rows, out_rows
 
-D_V = 512
 ROWS_PER_CTA = 4
 VEC = 4
 CHUNKS = 4  # column chunks of a row in a small batch
@@ -53,23 +52,20 @@ ROW_VECTORS = D_V // (32 * VEC)  # 16-byte vectors per lane for a whole row
 VECTORS_IN_FLIGHT = 8  # 16-byte loads a thread issues as one group of partials
 CHUNK_COLS = D_V // CHUNKS
 SPREAD_WARPS = 8  # warps sharing one row chunk's partials in the spread kernel
-LN_2 = math.log(2.0)
 
 
 class CombineKernel:
     num_threads = 32 * ROWS_PER_CTA
 
-    def __init__(self, dtype, group: int, s_q: int, has_sink: bool = False, chunked_batch: int = 4,
-                 spread_partials: int = 48, pdl: bool = False):
-        self.dtype = dtype
-        self.pdl = pdl
-        self.spread_partials = spread_partials
-        self.has_sink = has_sink
-        self.group = group
-        self.s_q = s_q
-        self.rows = group * s_q
+    def __init__(self, config: CombineConfig):
+        self.dtype = DTYPES[config.dtype]
+        self.spread_partials = config.spread_partials
+        self.has_sink = config.has_sink
+        self.group = config.group
+        self.s_q = config.s_q
+        self.rows = config.group * config.s_q
         self.row_blocks = (self.rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA
-        self.chunked_batch = chunked_batch
+        self.chunked_batch = config.chunked_batch
 
     @cute.jit
     def __call__(
@@ -108,7 +104,7 @@ class CombineKernel:
                 block=[32 * SPREAD_WARPS, 1, 1],
                 smem=SpreadRow.size_in_bytes(),
                 stream=stream,
-                use_pdl=self.pdl,
+                use_pdl=True,
             )
         else:
             chunks = cutlass.Int32(cutlass.select_(small, CHUNKS, 1))
@@ -116,7 +112,7 @@ class CombineKernel:
                 grid=[batch, h_kv, self.row_blocks * chunks],
                 block=[self.num_threads, 1, 1],
                 stream=stream,
-                use_pdl=self.pdl,
+                use_pdl=True,
             )
 
     @cute.kernel
@@ -130,8 +126,7 @@ class CombineKernel:
         row = (block // chunks) * ROWS_PER_CTA + tidx // 32
         start = mNumSplits[req]
         n = mNumSplits[req + 1] - start
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_wait()
         if n > 1 and row < self.rows:
             if chunks == 1:
                 self.merge_row(mOAccum, mLseAccum, mOut, mLse, mSink, req, kv_head, row, start, n, 0, lane,
@@ -155,8 +150,7 @@ class CombineKernel:
         sink2 = cutlass.Float32(0.0)
         if cutlass.const_expr(self.has_sink):
             sink2 = mSink[row % self.group] * LOG2_E  # loaded with the partials, not after them
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_wait()
         if n > 1:  # the same for the whole CTA: its barrier below is reached by every thread or none
             storage = SmemAllocator().allocate(self.spread_row)
             sTop = storage.top.get_tensor(cute.make_layout(SPREAD_WARPS))
@@ -324,7 +318,7 @@ class CombineKernel:
 
 @cute.jit
 def load_fp32(src):
-    """A vector of partial O as fp32 (the partials are fp32, or 16-bit with ``partials_16bit``)."""
+    """A vector of partial O as fp32 (the partials are fp32, or 16-bit for sparse decode's small plans)."""
     if cutlass.const_expr(src.element_type == cutlass.Float32):
         return src.load()
     return src.load().to(cutlass.Float32)

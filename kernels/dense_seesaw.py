@@ -1,6 +1,6 @@
 """Dense MLA decode over a paged cache, split-KV, seesaw schedule, on Hopper (SM90a).
 
-Same work split, inputs and outputs as ``dense_decode.py`` (one CTA per SM part, 64-row M tile
+Same work split, inputs and outputs as the serial baseline, ``dense_serial.py`` (one CTA per SM part, 64-row M tile
 and KV head; the scheduler record gives its requests and blocks).  What differs is how the two
 warpgroups share a 64-token tile pair (K0 in buffer 0, K1 in buffer 1): the 64 x 512 output is
 split into O_L (columns 0-255, warpgroup 0) and O_R (256-511, warpgroup 1), and
@@ -14,19 +14,17 @@ so one warpgroup's softmax runs while the other's tensor cores work (the steps a
 ``seesaw.py``; this file orders them, loads the tiles and owns shared memory).  That is FlashMLA's
 order, kept with two or more M tiles a KV head that tile multicast does not pair.  With one M tile a
 KV head (the memory-bound rows) and with tile multicast (h_q = 128: a refill waits for both CTAs to
-free a buffer half) the kernel takes the cross term first (schedule field ``cross_term_first``): P0
+free a buffer half) the kernel takes the cross term first (config ``cross_term_first``): P0
 leaves at m0, WG1 issues P0 V0_R before its softmax and P1 V1_R right behind it, and O_L / O_R move to
 m1 only where the max moved, so the right half of K0 refills a step earlier.
-Loads (schedule field ``load_warpgroup``, on by default): a third warpgroup's first warp issues every TMA
-copy, in the consumers' order and a request ahead across request boundaries; a consumer warpgroup that
-has waited for the last MMA reading a buffer half hands it back with one mbarrier arrival.  Without it
-(FlashMLA's way) the warp that frees a buffer half issues its refill itself.
-Tile multicast (schedule field ``tile_multicast``; by default with 128 query heads a KV head): the two M
+Loads: a third warpgroup's first warp issues every TMA copy, in the consumers' order and a request ahead
+across request boundaries; a consumer warpgroup that has waited for the last MMA reading a buffer half
+hands it back with one mbarrier arrival.
+Tile multicast (config ``cluster_ctas`` 2 or 4; with 128 query heads a KV head): the two M
 tiles of a pair (grid y 2i and 2i + 1, which see the same tiles) run as a 2-CTA cluster, and each CTA
 loads 32 of each sub-tile's 64 rows into both CTAs (TMA multicast), so each tile crosses from L2 once
 for both.  A buffer half may be overwritten only once both CTAs freed it: its hand-back arrives on both
-CTAs' ``free`` barrier of that half (without the load warpgroup: the warp that refills it arrives on the
-peer's and waits on its own before its copies).  With ``multicast_ctas=4`` (and the load warpgroup) four M
+CTAs' ``free`` barrier of that half.  With 4-CTA clusters four M
 tiles (grid y 4i .. 4i + 3) form the cluster, each CTA loads 16 of each sub-tile's rows into all four, and
 each hand-back arrives on all four CTAs' barrier; causal, the four load the tiles of the cluster's last row.
 Each 64 x 576 tile arrives as nine 64 x 64 sub-tiles, each with its own mbarrier, and S = Q K^T
@@ -36,21 +34,16 @@ consumes sub-tile j as soon as it lands:
 
 Warpgroup roles (one CTA per SM):
   WG0  S of the even tiles, O_L; hands back sub-tiles 0-3 of both buffers, and Q's bytes after a
-       request's epilogue.  Its thread 0 issues the bulk copies of a request's final rows (and, with
-       ``partials_16bit``, of a split's partial).
+       request's epilogue.  Its thread 0 issues the bulk copies of a request's final rows.
   WG1  S of the odd tiles, O_R; hands back sub-tiles 4-8 of both buffers.
-  WG2  (load warpgroup; 384 threads, setmaxnreg: 240 registers for WG0 and WG1, 24 for WG2) its
-       first warp issues Q and every tile's copies; the other three warps idle.
-  Without the load warpgroup (256 threads, no register reallocation): WG0's warp 0 issues each
-  request's Q copy and first tile pair and the refills of sub-tiles 0-3, WG1's warp 0 the refills of
-  sub-tiles 4-8 (with tile multicast also a request's first loads of them, so that one warp keeps each
-  half's phase of the peer's hand-back).
+  WG2  the load warpgroup (setmaxnreg: 240 registers for WG0 and WG1, 24 for WG2): its first warp
+       issues Q and every tile's copies; the other three warps idle.
 
 Shared-memory plan (16-bit q/cache; bytes):
   sQ      64 x 576                        73 728  (its last 64 x 64 sub-tile, the RoPE part of Q,
                                                    is held in registers once Q lands and the
                                                    bytes serve as sP1; after a request's last
-                                                   pair its final rows (or 16-bit partial) are
+                                                   pair its final rows are
                                                    staged here, 64 rows of 520 elements, for the
                                                    bulk copies out)
   sK      2 x 64 x 576                   147 456  (V is the first 512 columns of K)
@@ -59,10 +52,9 @@ Shared-memory plan (16-bit q/cache; bytes):
                                                    factors of WG0 and WG1; the epilogue's sums)
   mbarriers: Q; K sub-tiles [2][9]           160
   free [2][2]                                 32  (per buffer and half: this CTA's consumers and, with
-                                                   tile multicast, the peers' freed it; without the
-                                                   load warpgroup only with multicast: the peer's)
-  (load warpgroup) Q free                      8  (Q's bytes may take the next request's Q)
-About 226 KiB of the 227 KiB a CTA may have (``DenseDecodeSchedule.smem_bytes``).
+                                                   tile multicast, the peers' freed it)
+  Q free                                       8  (Q's bytes may take the next request's Q)
+About 226 KiB of the 227 KiB a CTA may have (``schedules.resolve.DENSE_SMEM_BYTES``).
 
 Causal: the tiles no row of the M tile sees are skipped; the scores past a row's end are masked
 only in a request's last two tiles (the rows of an M tile end less than 64 keys apart).
@@ -87,25 +79,14 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from ..schedules.dense import DenseDecodeSchedule
-from .consumer import (
-    BLOCK_M,
-    BLOCK_N,
-    D_QK,
-    OutputTile,
-    SplitOutputs,
-    StagedRows,
-    WorkSlice,
-    advance_lengths,
-    lengths_ahead,
-    load_splits,
-    make_smem_layouts,
-    operand_tiles,
-    rescale_o,
-    row_exchange,
-    staged_rows_layout,
-)
-from .dense_decode import feature_major, set_dense_facts
+from ..schedules.configs import DenseSplitConfig
+from .constants import BLOCK_M, BLOCK_N, D_QK
+from .epilogue import StagedRows
+from .layouts import make_smem_layouts, operand_tiles, row_exchange, staged_rows_layout
+from .softmax import rescale_o
+from .work import OutputTile, SplitOutputs, WorkSlice, advance_lengths, lengths_ahead, load_splits
+from .constants import L2_EVICT_FIRST
+from .dense_serial import feature_major, set_dense_facts
 from .layouts import lse_rows, out_rows
 from .seesaw import NUM_SUB, SUB, SeesawBarrier, SeesawBarriers, SeesawConsumer, make_seesaw_mmas
 
@@ -119,8 +100,6 @@ def half_of(subtiles) -> int:
     return 0 if subtiles == V_L_SUBS else 1
 
 
-# L2 cache-policy operand of a TMA load marking the lines evict-first (each tile is read once).
-L2_EVICT_FIRST = 0x12F0000000000000
 
 
 class DenseSeesawKernel(SeesawConsumer):
@@ -133,18 +112,19 @@ class DenseSeesawKernel(SeesawConsumer):
     consumer_regs = 240
     loader_regs = 24
 
-    def __init__(self, dtype, rows: int, group: int, s_q: int, causal: bool, page_size: int,
-                 schedule: DenseDecodeSchedule, fill_role: str = ""):
-        schedule.validate()
-        if not schedule.seesaw:
-            raise ValueError("DenseSeesawKernel needs a schedule with seesaw=True")
-        set_dense_facts(self, dtype, rows, group, s_q, causal, page_size)
-        self.kv_evict_first = schedule.kv_evict_first
-        self.tile_multicast = schedule.tile_multicast_for(self.m_tiles, group, causal)
-        self.cluster_ctas = schedule.cluster_ctas_for(self.m_tiles, group, causal)
-        self.cross_term_first = schedule.cross_term_first_for(self.m_tiles, self.tile_multicast)
-        self.load_warpgroup = schedule.load_warpgroup_on()
-        self.num_threads = 384 if self.load_warpgroup else 256
+    def __init__(self, config: DenseSplitConfig, fill_role: str = ""):
+        if config.kernel != "seesaw" or config.cluster_ctas not in (1, 2, 4):
+            raise ValueError(f"DenseSeesawKernel takes configs of kernel 'seesaw' with 1, 2 or 4 CTAs, got {config}")
+        if config.cluster_ctas > 1 and (config.m_tiles % config.cluster_ctas or (config.causal and config.group % 128)):
+            raise ValueError(f"a cluster of {config.cluster_ctas} CTAs shares each KV tile among M tiles that see the "
+                             f"same tiles: it needs a multiple of {config.cluster_ctas} M tiles (got {config.m_tiles}) "
+                             f"and, when causal, a multiple of 128 query heads a KV head (got {config.group})")
+        set_dense_facts(self, config)
+        self.kv_evict_first = config.evict_first
+        self.tile_multicast = config.cluster_ctas > 1
+        self.cluster_ctas = config.cluster_ctas
+        self.cross_term_first = config.cross_term_first
+        self.num_threads = 384
         # ``fill_role`` (see ``fill.py``): "clusters" lets the next kernel launch as soon as every CTA has
         # started; "fill" is that kernel: launched programmatically, each CTA waits for the clusters' grid
         # before it exits, so a kernel after this one finds both done.
@@ -187,10 +167,8 @@ class DenseSeesawKernel(SeesawConsumer):
         class SharedStorage:
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * NUM_SUB]
-            if cutlass.const_expr(self.tile_multicast or self.load_warpgroup):
-                free_mbar: cute.struct.MemRange[cutlass.Int64, 4]  # [buffer][half]: freed (by the peer / both)
-            if cutlass.const_expr(self.load_warpgroup):
-                q_free_mbar: cute.struct.MemRange[cutlass.Int64, 1]  # Q's bytes free for the next request
+            free_mbar: cute.struct.MemRange[cutlass.Int64, 4]  # [buffer][half]: freed by every CTA's consumers
+            q_free_mbar: cute.struct.MemRange[cutlass.Int64, 1]  # Q's bytes free for the next request
             row_max: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]  # row_exchange's pair; [:, 0] is sM
             row_sum: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             scale: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
@@ -199,6 +177,7 @@ class DenseSeesawKernel(SeesawConsumer):
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
 
         self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()  # the occupancy query's (``DENSE_SMEM_BYTES``)
 
         num_parts = mSched.shape[0]
         h_kv = mQ.shape[2]
@@ -251,13 +230,10 @@ class DenseSeesawKernel(SeesawConsumer):
             cute.arch.mbarrier_init(q_bar, 1)
             for j in cutlass.range_constexpr(2 * NUM_SUB):
                 cute.arch.mbarrier_init(kv_bar + j, 1)
-            if cutlass.const_expr(self.tile_multicast or self.load_warpgroup):
-                # Classic multicast: the peer's hand-back; the loader: this CTA's consumers and the peers'.
-                frees = self.cluster_ctas if self.load_warpgroup else 1
-                for j in cutlass.range_constexpr(4):
-                    cute.arch.mbarrier_init(storage.free_mbar.data_ptr() + j, frees)
-            if cutlass.const_expr(self.load_warpgroup):
-                cute.arch.mbarrier_init(storage.q_free_mbar.data_ptr(), 1)
+            # The loader's hand-backs: this CTA's consumers' and the peers'.
+            for j in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(storage.free_mbar.data_ptr() + j, self.cluster_ctas)
+            cute.arch.mbarrier_init(storage.q_free_mbar.data_ptr(), 1)
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.tile_multicast):
             # The peer must see initialised barriers before it arrives or multicasts into them.
@@ -272,21 +248,18 @@ class DenseSeesawKernel(SeesawConsumer):
         # record is built inside its branch: a branch may rebind what it uses.
         consumer_args = (storage, tma_atom_q, tma_q, tma_atom_k, tma_k, mBlockTable, mSeqlens, mSched, mNumSplits,
                          mOut, mLse, mOAccum, mLseAccum, scale_log2, sQ_layout, sK_layout, sV_layout, sP_layout)
-        if cutlass.const_expr(self.load_warpgroup):
-            if wg < 2:
-                cute.arch.setmaxregister_increase(self.consumer_regs)
-                self.run_consumers(wg, *consumer_args)
-            else:
-                cute.arch.setmaxregister_decrease(self.loader_regs)
-                if tidx // 32 == 8:
-                    part, m_tile, kv_head = cute.arch.block_idx()
-                    sQ, sK, _, _ = operand_tiles(storage, sQ_layout, sK_layout, sV_layout, sP_layout)
-                    loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar,
-                                             mBlockTable, m_tile, kv_head, self.cluster_ctas,
-                                             storage.free_mbar.data_ptr(), storage.q_free_mbar.data_ptr())
-                    self.produce(loader, mSeqlens, self.work_slice(mSched, mBlockTable, part), m_tile)
-        else:
+        if wg < 2:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             self.run_consumers(wg, *consumer_args)
+        else:
+            cute.arch.setmaxregister_decrease(self.loader_regs)
+            if tidx // 32 == 8:
+                part, m_tile, kv_head = cute.arch.block_idx()
+                sQ, sK, _, _ = operand_tiles(storage, sQ_layout, sK_layout, sV_layout, sP_layout)
+                loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar,
+                                         mBlockTable, m_tile, kv_head, self.cluster_ctas,
+                                         storage.free_mbar.data_ptr(), storage.q_free_mbar.data_ptr())
+                self.produce(loader, mSeqlens, self.work_slice(mSched, mBlockTable, part), m_tile)
         if cutlass.const_expr(self.tile_multicast):
             # Every multicast into this CTA was waited for, but neither CTA leaves before the other is done
             # with the cluster (with the load warpgroup the last hand-backs arrive on the peer unwaited).
@@ -318,8 +291,7 @@ class DenseSeesawKernel(SeesawConsumer):
         kv_bar = storage.kv_mbar.data_ptr()
         loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar,
                                  mBlockTable, m_tile, kv_head, self.cluster_ctas,
-                                 storage.free_mbar.data_ptr() if self.tile_multicast or self.load_warpgroup else None,
-                                 storage.q_free_mbar.data_ptr() if self.load_warpgroup else None)
+                                 storage.free_mbar.data_ptr(), storage.q_free_mbar.data_ptr())
         outs = SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum)
         # Final rows leave through Q's bytes (dead after the request's last pair).  Thread 0 issues the
         # copies and waits for their reads before the next Q is loaded there (by its own warp, or by the
@@ -355,8 +327,6 @@ class DenseSeesawKernel(SeesawConsumer):
             seqlen = work.length(advance_lengths(lens, mSeqlens, work, req))
             splits = load_splits(outs, req)
             first, last = self.request_tiles(work, req, seqlen, common_shift)
-            if cutlass.const_expr(not self.load_warpgroup):
-                self.load_request_start(loader, req, first, last - first, tidx, wg)
             self.start_request(v, rows, sM, sScale, loader, q_phase, tidx)
             # No dynamic branch may enclose the pair loops: a loop inside one would rebind the
             # records it carries in a region their later users cannot see.
@@ -369,7 +339,7 @@ class DenseSeesawKernel(SeesawConsumer):
             tile = OutputTile(kv_head, m_tile * BLOCK_M, self.rows - m_tile * BLOCK_M)
             self.epilogue(v, rows, bars.epilogue, sSum, outs, work, scale_log2, req, tile, max2=max2, splits=splits,
                           staged=staged)
-            if cutlass.const_expr(self.load_warpgroup and wg == 0):
+            if cutlass.const_expr(wg == 0):
                 # Past the epilogue's barrier both warpgroups are done with sQ (and sP1 in its bytes), and
                 # thread 0 has waited for the staged rows' copies to read it: the next Q may land.
                 if tidx == 0:
@@ -395,28 +365,6 @@ class DenseSeesawKernel(SeesawConsumer):
         if cutlass.const_expr(self.causal):
             last = cutlass.min(last, (seqlen - common_shift + BLOCK_N - 1) // BLOCK_N)
         return first, last
-
-    @cute.jit
-    def load_request_start(self, loader, req, first, n, tidx, wg: cutlass.Constexpr):
-        """A request's Q and first tile pair (of its ``n`` tiles).  With tile multicast each buffer half is
-        loaded, as it is refilled later, by one warp (its phase of the peer's hand-back lives there):
-        V_L by warpgroup 0's first warp, V_R and the RoPE columns by warpgroup 1's."""
-        if cutlass.const_expr(self.tile_multicast):
-            if tidx % 128 < 32:
-                if cutlass.const_expr(wg == 0):
-                    self.load_q(loader, req)
-                subs = V_L_SUBS if wg == 0 else V_R_SUBS
-                if n >= 1:
-                    self.load_kv(loader, self.tile_location(loader, req, first), 0, subs)
-                if n >= 2:
-                    self.load_kv(loader, self.tile_location(loader, req, first + 1), 1, subs)
-        elif tidx < 32:
-            self.load_q(loader, req)
-            if n >= 1:
-                self.load_kv(loader, self.tile_location(loader, req, first), 0, V_L_SUBS + V_R_SUBS)
-            if n >= 2:
-                loc = self.tile_location(loader, req, first + 1)
-                self.load_kv(loader, loc, 1, V_R_SUBS + V_L_SUBS)
 
     @cute.jit
     def start_request(self, v, rows, sM, sScale, loader, q_phase, tidx):
@@ -473,23 +421,15 @@ class DenseSeesawKernel(SeesawConsumer):
     def wg0_pair(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
                  blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr):
         """Tiles blk (buffer 0) and blk + 1 (buffer 1), warpgroup 0's side; leaves S of blk + 2."""
-        loc3 = None
-        if cutlass.const_expr(not blk0_last and not blk1_last and not self.load_warpgroup):
-            loc2 = self.tile_location(loader, req, blk + 2)
-            loc3 = self.tile_location(loader, req, cutlass.min(blk + 3, last - 1))
         self.softmax_wg0(v, rows, sM, sScale, seqlen, blk, scale_log2, blk0_last or blk1_last)
         bars.scale0.arrive()
         if cutlass.const_expr(blk0_last):
             self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
         self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 0)
         warpgroup.wait_group(0)
-        if cutlass.const_expr(self.load_warpgroup):
-            self.hand_back(v, loader, 0, 0)
+        self.hand_back(v, loader, 0, 0)
 
         bars.scale1.arrive_and_wait()
-        if cutlass.const_expr(not blk0_last and not blk1_last and not self.load_warpgroup):
-            if v.tid < 32:
-                self.load_kv(loader, loc2, 0, V_L_SUBS)
         # P0 to the final max of the pair, for warpgroup 1's P0 V0_R.
         scale1 = self.row_values(rows, sScale, 1)
         rescale_o(v.acc_s, scale1)
@@ -507,19 +447,15 @@ class DenseSeesawKernel(SeesawConsumer):
             rescale_o(v.acc_o, scale1)
             self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
         if cutlass.const_expr(not blk0_last and not blk1_last):
-            self.wg0_next_s(v, loader, loc3, blk, last)
+            self.wg0_next_s(v, loader)
         warpgroup.wait_group(0)
-        if cutlass.const_expr(self.load_warpgroup and not blk0_last and blk1_last):
+        if cutlass.const_expr(not blk0_last and blk1_last):
             self.hand_back(v, loader, 1, 0)  # K1's left half, read last by P1 V1_L (no next S)
 
     @cute.jit
     def wg1_pair(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
                  blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr, blk2_last: cutlass.Constexpr):
         """Tiles blk and blk + 1, warpgroup 1's side; leaves S of blk + 3."""
-        if cutlass.const_expr(not blk0_last and not blk1_last and not self.load_warpgroup):
-            loc2 = self.tile_location(loader, req, blk + 2)
-        if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last and not self.load_warpgroup):
-            loc3 = self.tile_location(loader, req, blk + 3)
         bars.scale0.arrive_and_wait()
         self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, blk1_last or blk2_last, blk0_last)
         bars.scale1.arrive()
@@ -536,22 +472,12 @@ class DenseSeesawKernel(SeesawConsumer):
         self.issue_pv(v, v.mmas.pv_ss, v.tOrP0, v.tOrV_ss, 0)
         if cutlass.const_expr(not blk0_last):
             bars.p1_issued.arrive()
-        if cutlass.const_expr(self.load_warpgroup):
-            # P1 V1_R was committed before P0 V0_R: K1's right half frees first.
-            if cutlass.const_expr(not blk0_last):
-                warpgroup.wait_group(1)
-                self.hand_back(v, loader, 1, 1)
-            warpgroup.wait_group(0)
-            self.hand_back(v, loader, 0, 1)
-        else:
-            if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
-                warpgroup.wait_group(1)
-                if v.tid < 32:
-                    self.load_kv(loader, loc3, 1, V_R_SUBS)
-            if cutlass.const_expr(not blk0_last and not blk1_last):
-                warpgroup.wait_group(0)
-                if v.tid < 32:
-                    self.load_kv(loader, loc2, 0, V_R_SUBS)
+        # P1 V1_R was committed before P0 V0_R: K1's right half frees first.
+        if cutlass.const_expr(not blk0_last):
+            warpgroup.wait_group(1)
+            self.hand_back(v, loader, 1, 1)
+        warpgroup.wait_group(0)
+        self.hand_back(v, loader, 0, 1)
         if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
             self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
         warpgroup.wait_group(0)
@@ -562,10 +488,6 @@ class DenseSeesawKernel(SeesawConsumer):
                              blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr):
         """``wg0_pair`` in the cross-term-first order: P0 leaves at m0, before P0 V0_L, and O_L moves to
         m1 before P1 V1_L."""
-        loc3 = None
-        if cutlass.const_expr(not blk0_last and not blk1_last and not self.load_warpgroup):
-            loc2 = self.tile_location(loader, req, blk + 2)
-            loc3 = self.tile_location(loader, req, cutlass.min(blk + 3, last - 1))
         self.softmax_wg0(v, rows, sM, sScale, seqlen, blk, scale_log2, blk0_last or blk1_last)
         cute.autovec_copy(v.rPc, v.tPsP0)
         if cutlass.const_expr(blk0_last):
@@ -574,11 +496,7 @@ class DenseSeesawKernel(SeesawConsumer):
         bars.scale0.arrive()
         self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 0)
         warpgroup.wait_group(0)
-        if cutlass.const_expr(self.load_warpgroup):
-            self.hand_back(v, loader, 0, 0)
-        elif cutlass.const_expr(not blk0_last and not blk1_last):
-            if v.tid < 32:
-                self.load_kv(loader, loc2, 0, V_L_SUBS)
+        self.hand_back(v, loader, 0, 0)
 
         bars.scale1.arrive_and_wait()
         if cutlass.const_expr(not blk0_last):
@@ -591,11 +509,11 @@ class DenseSeesawKernel(SeesawConsumer):
             rescale_o(v.acc_o, scale1)
             self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
         if cutlass.const_expr(not blk0_last and not blk1_last):
-            self.wg0_next_s(v, loader, loc3, blk, last)
+            self.wg0_next_s(v, loader)
         # Warpgroup 1's P0 V0_R has read sP0 before the next pair writes it.
         bars.p0_read.arrive_and_wait()
         warpgroup.wait_group(0)
-        if cutlass.const_expr(self.load_warpgroup and not blk0_last and blk1_last):
+        if cutlass.const_expr(not blk0_last and blk1_last):
             self.hand_back(v, loader, 1, 0)  # K1's left half, read last by P1 V1_L (no next S)
 
     @cute.jit
@@ -603,10 +521,6 @@ class DenseSeesawKernel(SeesawConsumer):
                              blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr, blk2_last: cutlass.Constexpr):
         """``wg1_pair`` in the cross-term-first order: O_R moves to m0 and P0 V0_R is issued before this
         warpgroup's softmax; P1 V1_R queues behind it."""
-        if cutlass.const_expr(not blk0_last and not blk1_last and not self.load_warpgroup):
-            loc2 = self.tile_location(loader, req, blk + 2)
-        if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last and not self.load_warpgroup):
-            loc3 = self.tile_location(loader, req, blk + 3)
         bars.scale0.arrive_and_wait()
         rescale_o(v.acc_o, self.row_values(rows, sScale, 0))
         if cutlass.const_expr(blk0_last):
@@ -631,32 +545,22 @@ class DenseSeesawKernel(SeesawConsumer):
         else:
             warpgroup.wait_group(0)
         bars.p0_read.arrive()
-        if cutlass.const_expr(self.load_warpgroup):
-            self.hand_back(v, loader, 0, 1)
-        elif cutlass.const_expr(not blk0_last and not blk1_last):
-            if v.tid < 32:
-                self.load_kv(loader, loc2, 0, V_R_SUBS)
+        self.hand_back(v, loader, 0, 1)
         if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
             warpgroup.wait_group(0)
-            if cutlass.const_expr(self.load_warpgroup):
-                self.hand_back(v, loader, 1, 1)
-            elif v.tid < 32:
-                self.load_kv(loader, loc3, 1, V_R_SUBS)
+            self.hand_back(v, loader, 1, 1)
             self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
         warpgroup.wait_group(0)
-        if cutlass.const_expr(self.load_warpgroup and not blk0_last and (blk1_last or blk2_last)):
+        if cutlass.const_expr(not blk0_last and (blk1_last or blk2_last)):
             self.hand_back(v, loader, 1, 1)  # K1's right half, read last by P1 V1_R (no next S)
 
     @cute.jit
-    def wg0_next_s(self, v, loader, loc3, blk, last):
+    def wg0_next_s(self, v, loader):
         """Issue S of tile blk + 2 (its V_L sub-tiles, refilled first, first) and, once this pair's
-        P1 V1_L has read K1's left half, refill it with tile blk + 3."""
+        P1 V1_L has read K1's left half, hand it back for tile blk + 3."""
         self.issue_qk(v, 0, V_L_SUBS, flip=False)
         warpgroup.wait_group(len(V_L_SUBS))
-        if cutlass.const_expr(self.load_warpgroup):
-            self.hand_back(v, loader, 1, 0)
-        elif v.tid < 32 and blk + 3 < last:
-            self.load_kv(loader, loc3, 1, V_L_SUBS)
+        self.hand_back(v, loader, 1, 0)
         self.issue_qk(v, 0, V_R_SUBS, accumulate=True)
 
     @cute.jit
@@ -744,35 +648,10 @@ class DenseSeesawKernel(SeesawConsumer):
         return blk - page_idx * self.tiles_per_page, ld.block_table[req, page_idx]
 
     @cute.jit
-    def load_kv(self, ld, loc, buf: cutlass.Constexpr, subtiles: cutlass.Constexpr):
-        """``subtiles`` of the tile at ``loc`` into buffer ``buf`` (by a whole warp)."""
-        if cutlass.const_expr(self.tile_multicast):
-            self.load_kv_multicast(ld, loc, buf, subtiles)
-        else:
-            self.expect_and_copy(ld, loc, buf, subtiles)
-
-    @cute.jit
-    def load_kv_multicast(self, ld, loc, buf: cutlass.Constexpr, subtiles: cutlass.Constexpr):
-        """``load_kv`` in a 2-CTA cluster: this CTA loads its half of each sub-tile's rows into both CTAs.
-        Its barriers expect the whole sub-tile first (the peer's half may land any time after the
-        hand-back); then it hands its copy of the buffer half back to the peer and waits for the peer's."""
-        assert subtiles in (V_L_SUBS, V_R_SUBS), "a multicast load is one buffer half (one hand-back barrier)"
-        free = ld.free_bar + (buf * 2 + half_of(subtiles))
-        for j in subtiles:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(ld.kv_bar + (buf * NUM_SUB + j), self.sub_bytes)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive(free, ld.peer)
-        cute.arch.mbarrier_wait(free, ld.free_phase[buf])
-        ld.free_phase[buf] = ld.free_phase[buf] ^ 1
-        for j in subtiles:
-            self.copy_sub_tile(ld, loc, buf, j)
-
-    @cute.jit
     def copy_sub_tile(self, ld, loc, buf: cutlass.Constexpr, j: cutlass.Constexpr):
         """The TMA copy of sub-tile ``j`` of the tile at ``loc`` into buffer ``buf``, completing the
         sub-tile's barrier (with tile multicast: this CTA's rows, into both CTAs); evict-first when the
-        schedule asks."""
+        config asks."""
         tile_in_page, phys = loc
         options = {}
         if cutlass.const_expr(self.tile_multicast):
@@ -801,11 +680,10 @@ class TileLoader:
     block_table: Any
     m_tile: Any
     kv_head: Any
-    free_bar: Any = None  # [buffer][half] mbarriers: the peer's hand-back, or (load warpgroup) the consumers'
-    q_free_bar: Any = None  # load warpgroup: Q's bytes are free for the next request
+    free_bar: Any = None  # [buffer][half] mbarriers: the consumers' hand-backs (every CTA's of the cluster)
+    q_free_bar: Any = None  # Q's bytes are free for the next request
     peer: Any = None  # tile multicast in pairs: the other CTA's rank in the cluster
     rank: Any = None  # tile multicast: this CTA's rank in the cluster
-    free_phase: Any = None  # tile multicast: this warp's phase of free_bar, a buffer each
 
     @staticmethod
     def make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar, block_table, m_tile, kv_head,
@@ -830,6 +708,4 @@ class TileLoader:
             if cutlass.const_expr(cluster_ctas == 2):
                 loader.peer = 1 - rank
             loader.rank = rank
-            loader.free_phase = cute.make_rmem_tensor((2,), cutlass.Int32)
-            loader.free_phase.fill(0)
         return loader

@@ -10,11 +10,10 @@ import cutlass
 import cutlass.cute as cute
 
 from .combine import CombineKernel
-from .dense_decode import DenseDecodeKernel
 
 
 class DenseDecodeStep:
-    def __init__(self, split: DenseDecodeKernel, combine: CombineKernel):
+    def __init__(self, split, combine: CombineKernel):
         self.split = split
         self.combine = combine
 

@@ -1,6 +1,6 @@
 """The idle-SM fill: a plan of 4-CTA clusters, and pairs on the SMs those clusters leave idle.
 
-A GPC holds whole clusters only, so the seesaw kernel's 4-CTA clusters (``multicast_ctas=4``) hold 120 of an
+A GPC holds whole clusters only, so the seesaw kernel's 4-CTA clusters (``cluster_ctas=4``) hold 120 of an
 H200's 132 SMs at once; a plan of them has 30 parts, against the pairs' 33, and 12 SMs idle.  The fill runs
 the plan's last parts there, as pair clusters of the same seesaw kernel, in one host entry on one stream:
 
@@ -14,7 +14,7 @@ the plan's last parts there, as pair clusters of the same seesaw kernel, in one 
   3. the combine, as in ``dense_step.py``, after the fill grid (its programmatic launch waits for that grid).
 
 The pairs fit where the clusters leave whole pairs: every GPC of an even SM count (the driver's pair
-count is half the SMs), checked by ``mla_cute.backend.dense_fill_parts``.  A pair is slower than a 4-CTA
+count is half the SMs), checked by the resolver (``schedules/resolve.py``).  A pair is slower than a 4-CTA
 cluster while both run (each tile crosses from L2 twice for its four M tiles, not once): the planner gives
 each fill part ``idle_sm_fill_share`` sixteenths of another part's blocks (``schedules/planner.py``, fill
 parts).  Both split kernels write partials through the same records and split counts, so the combine is

@@ -9,11 +9,11 @@ and O_R, 256-511, of the follower):
   follower: O_R = O_R * 2^(m - m') + P V_R (P from shared memory)
 
 so the follower's P V of a tile runs on the tensor cores while the leader computes the next
-tile's S and softmax.  Against the serial consumer (``consumer.py``: each warpgroup S over 32
+tile's S and softmax.  Against the serial consumer (``serial_consumer.py``: each warpgroup S over 32
 tokens, both meet twice a tile) S is one 64 x 64 MMA per k-block, which reads Q once instead of
 twice, and the follower waits for nothing but P.
 
-Named barriers (``LeaderBarrier``): P_READY (leader -> follower: sP and sScale of this tile
+Named barriers (``SparseBarrier``): P_READY (leader -> follower: sP and sScale of this tile
 written), P_FREE (follower -> leader: done with sP and sScale; after the follower's epilogue of
 a request, done with sSum too), ROW_SUM (the shared epilogue's sums), OUT_STAGED (both halves of a
 request's final rows are in the staging bytes, ``consumer.StagedRows``), OUT_COPIED (the follower
@@ -29,7 +29,6 @@ each tile's factor, so both warpgroups have the final max for the lse.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Any
 
 import cutlass
@@ -37,18 +36,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import warpgroup
 
-from .consumer import (BLOCK_M, BLOCK_N, HALF_V, MAX_SLACK, ConsumerBarriers, SplitKVConsumer, qk_blocks, rescale_o,
-                       rope_qk)
-
-
-class LeaderBarrier(enum.IntEnum):
-    """Named hardware barriers of the two consumer warpgroups (0 is __syncthreads)."""
-
-    P_READY = 1
-    P_FREE = 2
-    ROW_SUM = 3
-    OUT_STAGED = 4
-    OUT_COPIED = 5  # the follower's 128 threads only: the staged rows are copied out
+from .barriers import SparseBarrier
+from .constants import BLOCK_M, BLOCK_N, HALF_V
+from .serial_consumer import ConsumerBarriers, SplitKVConsumer, qk_blocks, rope_qk
+from .softmax import MAX_SLACK, rescale_o
 
 
 class LeaderFollowerConsumer(SplitKVConsumer):
@@ -96,9 +87,9 @@ class LeaderFollowerConsumer(SplitKVConsumer):
             return pipeline.NamedBarrier(barrier_id=int(bid), num_threads=256)
 
         return LeaderFollowerBarriers(
-            p_ready=bar(LeaderBarrier.P_READY),
-            p_free=bar(LeaderBarrier.P_FREE),
-            epilogue=ConsumerBarriers(row_max=None, p_ready=None, row_sum=bar(LeaderBarrier.ROW_SUM)),
+            p_ready=bar(SparseBarrier.P_READY),
+            p_free=bar(SparseBarrier.P_FREE),
+            epilogue=ConsumerBarriers(row_max=None, p_ready=None, row_sum=bar(SparseBarrier.ROW_SUM)),
         )
 
     # ---------------------------------------------------------------- the leader

@@ -22,9 +22,10 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 
+from ..schedules.configs import SchedulerConfig
 from ..schedules.planner import FILL_SHARE_ONE
+from .constants import BLOCK_N
 
-BLOCK_N = 64
 
 
 @dataclasses.dataclass
@@ -43,14 +44,13 @@ class ClampedLengths:
 
 
 class SchedulerKernel:
-    def __init__(self, fixed_cost: int, unsplit_slack: int = 0, even_split_slack: int = 0, fill_parts: int = 0,
-                 fill_share: int = FILL_SHARE_ONE):
-        self.fixed_cost = fixed_cost
+    def __init__(self, config: SchedulerConfig):
+        self.fixed_cost = config.fixed_cost
         # With fill parts the plan is FlashMLA's walk at weighted payloads (the planner ignores both slacks).
-        self.unsplit_slack = 0 if fill_parts else unsplit_slack
-        self.even_split_slack = 0 if fill_parts else even_split_slack
-        self.fill_parts = fill_parts
-        self.fill_share = fill_share
+        self.unsplit_slack = 0 if config.fill_parts else config.unsplit_slack
+        self.even_split_slack = 0 if config.fill_parts else config.even_split_slack
+        self.fill_parts = config.fill_parts
+        self.fill_share = config.fill_share
 
     @cute.jit
     def __call__(self, mSeqlens: cute.Tensor, mSched: cute.Tensor, mNumSplits: cute.Tensor, max_len: cutlass.Int32,

@@ -21,7 +21,6 @@ can hold the second P; S over that sub-tile reads Q from registers.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Any
 
 import cutlass
@@ -30,36 +29,15 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
-from .consumer import (
-    BLOCK_M,
-    BLOCK_N,
-    D_QK,
-    HALF_V,
-    MAX_SLACK,
-    MMA_K,
-    ConsumerBarriers,
-    LengthMask,
-    SplitKVConsumer,
-    rescale_o,
-)
+from .barriers import SeesawBarrier  # noqa: F401
+from .constants import BLOCK_M, BLOCK_N, D_QK, HALF_V, MMA_K
+from .serial_consumer import ConsumerBarriers, SplitKVConsumer
+from .softmax import LengthMask, MAX_SLACK, rescale_o
 
 SUB = 64  # features per K sub-tile (one 128-byte swizzle atom wide)
 NUM_SUB = D_QK // SUB  # 9 sub-tiles per tile; sub-tile 8 is the RoPE part
 ROPE_SUB = NUM_SUB - 1
 KB_PER_SUB = SUB // MMA_K  # WGMMA k-blocks per sub-tile
-
-
-class SeesawBarrier(enum.IntEnum):
-    """Named hardware barriers (0 is __syncthreads)."""
-
-    SCALE0 = 1
-    SCALE1 = 2
-    P0_READY = 3
-    P1_ISSUED = 4
-    ROW_SUM = 5
-    MAX_INIT = 6
-    OUT_STAGED = 7
-    P0_READ = 8  # the cross-term-first order's (instead of P0_READY and P1_ISSUED)
 
 
 class SeesawConsumer(SplitKVConsumer):

@@ -5,67 +5,52 @@ one (SM part, query token s, 64-head tile); its part of the batch comes from the
 scheduler record over the requests' ``topk_length`` (64-token blocks), as in dense decode.
 
 Warpgroup roles (384 threads):
-  WG0      producer (all 128 threads).  With the serial consumers warp 0 also issues the Q
-           tile's TMA copy (64 heads x 576 of token s, once per request).  Per 64-token tile each thread
-           gathers 4 token rows (2 with the crossover): thread t reads 16-byte piece ``t % 8`` of each
-           128-byte segment of its rows (coalesced 128-byte reads, 6 per row: 4 latent, the
-           scales, 1 RoPE), rows ``16 k + t / 8`` (with the bulk hand-over ``32 rank + 8 (t / 32)
-           + (t % 32) / 8`` and 4 further: a warp's rows consecutive), dequantizes fp8 x scale to
-           the operand type (``schedule.fp16_operands``: fp16 by default, the scale rounded to it; bf16
-           as FlashMLA does), keeps the RoPE values bf16, and stores the row into the swizzled K
-           tile.  An invalid token (index -1 or outside the cache, or past ``topk_length``) is not
-           read: its row is written as zeros and its score bias is -inf.  With the leader-follower
-           consumers a thread loads all its rows of a tile before converting the first (4, or 2
-           with the crossover: 1.06-1.08x over 2 at a time for the whole-tile gather); with the serial
-           ones, 2 at a time (4 do not fit their producer's 120 registers; one at a time was slower).
-           The next tile's indices are loaded while this tile is gathered, in the order of the part's
-           tiles across its requests, so a request's first tile finds its indices loaded and its rows
-           in L2.  Producer halves (``schedule.producer_halves``, crossover with the bulk hand-over and
-           the leader-follower consumers): warps 0-1 gather the part's even tiles, warps 2-3 the odd ones,
-           4 rows a thread (``32 rank + 16 (u / 32) + (u % 32) / 8`` and 4 further, u the thread's index in
-           its half), so two tiles' loads are in flight and a warp's fences wait only for its own half's.
-  WG1, WG2 consumers, QK^T, softmax with the bias mask, PV, epilogue with the attention sink,
-           split one of two ways (``schedule.leader_follower``):
-           leader-follower (default, ``leader_follower.py``): WG1 computes S over the whole tile,
-             the softmax and O_L, and hands P to WG2, which computes O_R.  WG2's first warp also
-             loads Q: the first request's at the start, each next one's once Q's bytes are free
-             (after the leader's last S, or after the staged output rows were copied out);
-           serial (``consumer.py``): each computes S over 32 tokens, they meet at the row max and
-             at P, then each computes its half of O.
-  Registers (setmaxnreg, within 168 x 384): leader-follower 144 / 200 / 160 (the leader holds
-  half of O, S and P; the follower half of O), serial 120 / 192 / 192 (104 / 200 / 200 with the
-  crossover's bulk hand-over).
+  WG0      producer (all 128 threads).  Per 64-token tile each thread gathers 4 token rows (2 with the
+           crossover): thread t reads 16-byte piece ``t % 8`` of each 128-byte segment of its rows
+           (coalesced 128-byte reads, 6 per row: 4 latent, the scales, 1 RoPE), rows ``16 k + t / 8`` (with
+           the crossover ``32 rank + 8 (t / 32) + (t % 32) / 8`` and 4 further: a warp's rows consecutive),
+           dequantizes fp8 x scale to fp16 (the scale rounded to it: exact for the quantizer's power-of-two
+           scales from 2^-15 to 2^7), keeps the RoPE values bf16, and stores the row into the swizzled K
+           tile.  An invalid token (index -1 or outside the cache, or past ``topk_length``) is not read: its
+           row is written as zeros and its score bias is -inf.  A thread loads all its rows of a tile before
+           converting the first.  The next tile's indices are loaded while this tile is gathered, in the
+           order of the part's tiles across its requests, so a request's first tile finds its indices
+           loaded and its rows in L2.  Producer halves (crossover plans that are not small): warps 0-1
+           gather the part's even tiles, warps 2-3 the odd ones, 4 rows a thread (``32 rank + 16 (u / 32) +
+           (u % 32) / 8`` and 4 further, u the thread's index in its half), so two tiles' loads are in flight
+           and a warp's fences wait only for its own half's.
+  WG1, WG2 leader and follower (``leader_follower.py``): WG1 computes S over the whole tile, the softmax
+           and O_L, and hands P to WG2, which computes O_R.  WG2's first warp also loads Q: the first
+           request's at the start, each next one's once Q's bytes are free (after the staged output rows
+           were copied out).
+  Registers (setmaxnreg, within 168 x 384): 144 / 200 / 160.
 
-Shared-memory plan (bytes; "op" is the operand type, fp16 or bf16, and the RoPE columns are bf16 in both):
-  sQ     64 x 576 op                      73 728  (the TMA writes bf16; with fp16 operands Q's readers
-                                                   convert it in place, ``QConversion``; leader-follower:
-                                                   after a request's last S, its final rows or 16-bit
-                                                   partial, 64 x 520 bf16, which the follower's threads
-                                                   copy out)
-  sKV    kv_stages x 64 x 576 op          73 728 each (V is the first 512 columns of K)
+Shared-memory plan (bytes; "op" is the operand type, fp16, and the RoPE columns are bf16):
+  sQ     64 x 576 op                      73 728  (the TMA writes bf16; Q's readers convert it in place,
+                                                   ``QConversion``; after a request's last S, its final
+                                                   rows or 16-bit partial, 64 x 520 bf16, which the
+                                                   follower's threads copy out)
+  sKV    2 x 64 x 576 op                  73 728 each (V is the first 512 columns of K)
   sP     64 x 64 op                        8 192
-  sMax, sSum  [2][64] fp32                 1 024  (leader-follower: sMax holds the leader's
-                                                   factor and running max per row)
-  sBias  kv_stages x 64 fp32 (0 or -inf)     256 each
-  mbarriers: Q full (TMA) / empty (serial consumers only), KV full (128 producer arrivals, 64 with producer halves) /
+  sMax, sSum  [2][64] fp32                 1 024  (sMax holds the leader's factor and running max per row)
+  sBias  2 x 64 fp32 (0 or -inf)             256 each
+  mbarriers: Q full (TMA), KV full (128 producer arrivals, 64 with producer halves) /
   empty (256 consumer arrivals) per stage.
 
-Crossover (``schedule.crossover``, the 64-head tiles of a token in pairs: h_q = 128, 256):
+Crossover (where the 64-head tiles of a token pair: h_q = 128, 256):
 a 2-CTA cluster along the grid's y.  Each CTA gathers rows ``32 rank .. 32 rank + 31`` of
 every tile (2 per thread) and stores them locally; the peer gets them at the same offsets,
 completing bytes on its KV full barrier (one of its 128 local arrivals also expects the
-``PEER_TX_BYTES``).  The hand-over (``schedule.peer_bulk_copy``): a producer warp stores its
+``PEER_TX_BYTES``).  The hand-over: a producer warp stores its
 8 consecutive rows (16 with producer halves) piece by piece, and after each piece (two 64-column blocks)
 fences, syncs and two lanes issue one ``cp.async.bulk`` shared::cluster copy each (the warp's rows of a
-block: one 1 KiB swizzle atom, or two); the RoPE block and the rows' bias go last; or st.async stores of every converted
-16 bytes.  KV empty counts 512 arrivals
+block: one 1 KiB swizzle atom, or two); the RoPE block and the rows' bias go last.  KV empty counts 512 arrivals
 (both CTAs' consumers), because the peer writes into this CTA's stages.  Cluster barriers after
 the barrier setup and before exit (the consumers arrive before their last epilogue).
 
-Named barriers (consumers only; the producer syncs on mbarriers): ``leader_follower.LeaderBarrier``
+Named barriers (consumers only; the producer syncs on mbarriers): ``barriers.SparseBarrier``
 (``OUT_STAGED``: both halves of the final rows are in sQ; ``OUT_COPIED``: the follower has copied
-them out) or ``consumer.BarrierId``; and ``Q_CONVERTED`` (the leader's 128 threads, or both serial
-consumers: Q is in the operand type).
+them out); and ``Q_CONVERTED`` (the leader's 128 threads: Q is in the operand type).
 """
 
 from __future__ import annotations
@@ -81,30 +66,15 @@ from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.typing import AddressSpace
 from cutlass.memory import SmemAllocator
 
-from ..schedules.sparse import SparseDecodeSchedule
-from .consumer import (
-    BLOCK_M,
-    BLOCK_N,
-    D_QK,
-    D_V,
-    HALF_N,
-    OutputTile,
-    RopeQK,
-    SplitOutputs,
-    StagedRows,
-    WorkSlice,
-    advance_lengths,
-    lengths_ahead,
-    load_splits,
-    make_consumer_mmas,
-    make_q_pipeline,
-    make_smem_layouts,
-    operand_tiles,
-    row_exchange,
-    staged_rows_layout,
-)
+from ..schedules.configs import SparseSplitConfig
+from .constants import BLOCK_M, BLOCK_N, D_QK, D_V
+from .epilogue import StagedRows
+from .layouts import make_q_pipeline, make_smem_layouts, operand_tiles, row_exchange, staged_rows_layout
+from .serial_consumer import RopeQK, make_consumer_mmas
+from .work import OutputTile, SplitOutputs, WorkSlice, advance_lengths, lengths_ahead, load_splits
 from .layouts import lse_rows, out_rows
-from .leader_follower import LeaderBarrier, LeaderFollowerConsumer
+from .barriers import SparseBarrier
+from .leader_follower import LeaderFollowerConsumer
 from .seesaw import make_seesaw_mmas
 
 SUB_COLS = 64  # features per swizzle-atom column block of a K tile
@@ -121,14 +91,12 @@ LATENT_PIECES = D_V // (PIECE * LANES_PER_ROW)  # 4 latent pieces per thread per
 PEER_TX_BYTES = (BLOCK_N // 2) * (D_QK * 2 + 4)
 STAGE_ELEMS = BLOCK_N * D_QK  # one K stage
 LATENT_STEP = 2 * BLOCK_N * SUB_COLS  # from a thread's latent piece to its next: 128 columns, two column blocks
-NEG_INF_BITS = -8388608  # 0xFF800000, -inf as fp32 bits
 # Q enters the fp16 MMAs times 2^-4 (the softmax scale times 2^4 undoes it): every bf16 value of magnitude
 # from 2^-13 to below 2^20 converts exactly (smaller ones are rounded to multiples of 2^-20).  2^-8 would
 # reach 2^24 but round values below 2^-9, which measurably moved the outputs of small q against large K.
 Q_PRESCALE = 2.0**-4
 Q_CHUNKS = BLOCK_M * D_QK * 2 // PIECE  # Q's bytes in 16-byte chunks
 Q_ROPE_CHUNK = BLOCK_M * D_V * 2 // PIECE  # the first chunk of Q's RoPE block (64-column blocks are contiguous)
-Q_CONVERTED = 6  # named barrier: Q's readers converted it (a free id next to LeaderBarrier and BarrierId)
 
 
 class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
@@ -138,41 +106,34 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     # setmaxnreg moves registers within the CTA's launch allocation (168 x 384 = 64512): the
     # three warpgroups' budgets must not exceed it, or an increase waits forever.
     launch_regs = 168
-    # (producer, consumer warpgroup 1, consumer warpgroup 2), each a multiple of 8.  Serial: both
-    # consumers hold half of O (128) and S of 32 tokens; with the crossover's bulk hand-over ptxas
-    # spilled 4 bytes at 192, so the producer gives up 16 more.  Leader-follower: the leader holds
-    # half of O, S of 64 tokens and P; the follower only half of O, so the producer gets more.
-    SERIAL_REGS = (120, 192, 192)
-    SERIAL_BULK_REGS = (104, 200, 200)
+    # (producer, leader, follower), each a multiple of 8: the leader holds half of O, S of 64 tokens and
+    # P; the follower only half of O, so the producer gets more.
     LEADER_FOLLOWER_REGS = (144, 200, 160)
 
-    def __init__(self, h_q: int, s_q: int, has_sink: bool, schedule: SparseDecodeSchedule):
-        schedule.validate()
+    def __init__(self, config: SparseSplitConfig):
         self.dtype = cutlass.BFloat16  # q, the cache's RoPE values and the output
-        # The MMAs' operands (Q, K = V, P): fp16 by default (``schedule.fp16_operands``, its ranges), so Q's
-        # readers convert it in place; S's RoPE k-blocks stay bf16 either way (``RopeQK``).
-        self.operand_dtype = cutlass.Float16 if schedule.fp16_operands else cutlass.BFloat16
-        self.convert_q = self.operand_dtype != self.dtype
-        self.h_q = h_q
-        self.s_q = s_q
-        self.has_sink = has_sink
-        self.head_tiles = (h_q + BLOCK_M - 1) // BLOCK_M
-        self.kv_stages = schedule.kv_stages
-        # The two 64-head tiles of a pair share every token tile (2-CTA cluster).
-        self.crossover = schedule.crossover and self.head_tiles % 2 == 0
-        # The crossover hands the peer its rows with st.async stores as they are converted, or with
-        # bulk copies once each producer warp has stored its rows.
-        self.peer_stores = self.crossover and not schedule.peer_bulk_copy
-        self.peer_bulk = self.crossover and schedule.peer_bulk_copy
-        # Producer halves (``schedule.producer_halves``): warps 0-1 gather the even tiles of the part, warps 2-3 the
-        # odd ones, so two tiles' loads are in flight and each warp's fences wait only for its own.
-        self.halves = bool(self.peer_bulk and schedule.leader_follower and schedule.producer_halves)
+        # The MMAs' operands (Q, K = V, P) are fp16, so Q's readers convert it in place; S's RoPE k-blocks
+        # stay bf16 (``RopeQK``).
+        self.operand_dtype = cutlass.Float16
+        self.h_q = config.h_q
+        self.s_q = config.s_q
+        self.has_sink = config.has_sink
+        self.head_tiles = config.head_tiles
+        self.kv_stages = 2
+        # The two 64-head tiles of a pair share every token tile (2-CTA cluster); each CTA hands the peer its
+        # rows with bulk copies once each producer warp has stored them.
+        self.crossover = config.crossover
+        if self.crossover and self.head_tiles % 2:
+            raise ValueError(f"the crossover pairs 64-head tiles: h_q = {self.h_q} has an odd number of them")
+        self.peer_bulk = self.crossover
+        # Producer halves: warps 0-1 gather the even tiles of the part, warps 2-3 the odd ones, so two tiles'
+        # loads are in flight and each warp's fences wait only for its own.
+        self.halves = bool(self.crossover and config.producer_halves)
         # Rows a producer thread gathers of each of its tiles: 4, 2 with the crossover (each CTA gathers half a
         # tile), 4 again with producer halves (half the threads a tile).
         self.rounds = ROUNDS // 2 if self.crossover and not self.halves else ROUNDS
-        # Rows a producer thread loads before converting them: all of its rows of a tile with the
-        # leader-follower's 144 registers; 2 of the whole-tile gather's 4 with the serial split's.
-        self.rows_in_flight = self.rounds if schedule.leader_follower else 2
+        # Rows a producer thread loads before converting them: all of its rows of a tile (144 registers).
+        self.rows_in_flight = self.rounds
         self.stream_threads = 64 if self.halves else 128  # producer threads that gather one tile
         self.stream_warps = self.stream_threads // 32
         self.warp_rows = self.rounds * 32 // LANES_PER_ROW  # consecutive rows a producer warp hands over
@@ -180,15 +141,11 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # crossover's rows; the whole-tile gather's kernel spills with the copies (2% slower).
         self.qk_stage_copies = self.crossover and self.kv_stages == 2
         self.row_step = 4 if self.peer_bulk else ROWS_PER_ROUND  # between a thread's rows of a tile
-        self.leader_follower = schedule.leader_follower
-        if self.leader_follower:
-            self.regs = self.LEADER_FOLLOWER_REGS
-        else:
-            self.regs = self.SERIAL_BULK_REGS if self.peer_bulk else self.SERIAL_REGS
+        self.regs = self.LEADER_FOLLOWER_REGS
         assert 128 * sum(self.regs) <= self.launch_regs * self.num_threads
         # SplitKVConsumer facts: one query token per M tile, no causal mask.
         self.causal = False
-        self.group = h_q
+        self.group = config.h_q
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -311,32 +268,25 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # The cache's RoPE values stay bf16 in the K stages: S's RoPE k-blocks read them as such (``RopeQK``).
         sK_in = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), sK_layout.inner, dtype=self.dtype),
                                  sK_layout.outer)
-        if cutlass.const_expr(self.convert_q):
-            scale_log2 = scale_log2 * (1.0 / Q_PRESCALE)
+        scale_log2 = scale_log2 * (1.0 / Q_PRESCALE)
         q_words = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=cutlass.Int32),
                                    cute.make_layout((Q_CHUNKS * WORDS,)))
         # S's RoPE k-blocks (bf16) beside fp16 operands: made outside the role branches, like the MMAs below.
-        rope = None
-        if cutlass.const_expr(self.convert_q):
-            if cutlass.const_expr(self.leader_follower):
-                rope = RopeQK(make_seesaw_mmas(self.dtype).qk, sQ_in, sK_in)
-            else:
-                rope = RopeQK(make_consumer_mmas(self.dtype)[1], sQ_in, sK_in)
-        if cutlass.const_expr(self.leader_follower):
-            # Made once, outside the role branches: both consumers' views use them.  Each role gets
-            # its own record of the outputs: a branch may rebind the fields of what it is passed.
-            lf_mmas = make_seesaw_mmas(self.operand_dtype)
-            outs_lead, outs_follow = dataclasses.replace(outs), dataclasses.replace(outs)
-            # Final rows leave through Q's bytes: Q is dead after a request's last S.  The follower's
-            # threads copy them out (it has registers to spare; 64 bulk copies a request queued behind
-            # the producer's hand-over copies in the TMA unit: 1.6-7% slower) and then its first warp
-            # loads the next request's Q.
-            staged = StagedRows(
-                rows=cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=self.dtype), staged_rows_layout()),
-                written=pipeline.NamedBarrier(barrier_id=int(LeaderBarrier.OUT_STAGED), num_threads=256),
-                issuer=1,
-                copied=pipeline.NamedBarrier(barrier_id=int(LeaderBarrier.OUT_COPIED), num_threads=128),
-            )
+        rope = RopeQK(make_seesaw_mmas(self.dtype).qk, sQ_in, sK_in)
+        # Made once, outside the role branches: both consumers' views use them.  Each role gets
+        # its own record of the outputs: a branch may rebind the fields of what it is passed.
+        lf_mmas = make_seesaw_mmas(self.operand_dtype)
+        outs_lead, outs_follow = dataclasses.replace(outs), dataclasses.replace(outs)
+        # Final rows leave through Q's bytes: Q is dead after a request's last S.  The follower's
+        # threads copy them out (it has registers to spare; 64 bulk copies a request queued behind
+        # the producer's hand-over copies in the TMA unit: 1.6-7% slower) and then its first warp
+        # loads the next request's Q.
+        staged = StagedRows(
+            rows=cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=self.dtype), staged_rows_layout()),
+            written=pipeline.NamedBarrier(barrier_id=int(SparseBarrier.OUT_STAGED), num_threads=256),
+            issuer=1,
+            copied=pipeline.NamedBarrier(barrier_id=int(SparseBarrier.OUT_COPIED), num_threads=128),
+        )
         # The scheduler record is read after the register split, so neither role carries it
         # across the reallocation (it spilled otherwise).
         if wg_idx == 0:
@@ -348,36 +298,20 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, stores,
             )
         else:
-            if cutlass.const_expr(self.leader_follower):
-                sScale, sSum = row_exchange(storage)  # sScale: the leader's factor and max per row
-                if wg_idx == 1:
-                    set_registers(self.regs[1], self.launch_regs)
-                    work = WorkSlice.of(mSched, part)
-                    view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 0, tidx % 128, rope)
-                    q_conv = QConversion(q_words, pipeline.NamedBarrier(barrier_id=Q_CONVERTED, num_threads=128))
-                    self.lead(view, sScale, sSum, sBias, q_load.full, q_conv, staged, kv_pipe, mTopkLen, topk,
-                              outs_lead, scale_log2, s_idx, head_tile, work, rank)
-                else:
-                    set_registers(self.regs[2], self.launch_regs)
-                    work = WorkSlice.of(mSched, part)
-                    view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 1, tidx % 128)
-                    self.follow(view, sScale, sSum, q_load, staged, kv_pipe, mTopkLen, topk, outs_follow,
-                                scale_log2, s_idx, head_tile, work, rank)
-            else:
-                # Each warpgroup sets its own budget, so the three budgets are three instructions.
-                if wg_idx == 1:
-                    set_registers(self.regs[1], self.launch_regs)
-                else:
-                    set_registers(self.regs[2], self.launch_regs)
+            sScale, sSum = row_exchange(storage)  # sScale: the leader's factor and max per row
+            if wg_idx == 1:
+                set_registers(self.regs[1], self.launch_regs)
                 work = WorkSlice.of(mSched, part)
-                view = self.consumer_view(mma_qk_first, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, wg_idx - 1,
-                                          tidx % 128, rope)
-                q_conv = QConversion(q_words, pipeline.NamedBarrier(barrier_id=Q_CONVERTED, num_threads=256))
-                self.consume(
-                    view,
-                    *row_exchange(storage),
-                    sBias, q_pipe, q_conv, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx, head_tile, work, rank,
-                )
+                view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 0, tidx % 128, rope)
+                q_conv = QConversion(q_words, pipeline.NamedBarrier(barrier_id=int(SparseBarrier.Q_CONVERTED), num_threads=128))
+                self.lead(view, sScale, sSum, sBias, q_load.full, q_conv, staged, kv_pipe, mTopkLen, topk,
+                          outs_lead, scale_log2, s_idx, head_tile, work, rank)
+            else:
+                set_registers(self.regs[2], self.launch_regs)
+                work = WorkSlice.of(mSched, part)
+                view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 1, tidx % 128)
+                self.follow(view, sScale, sSum, q_load, staged, kv_pipe, mTopkLen, topk, outs_follow,
+                            scale_log2, s_idx, head_tile, work, rank)
         if cutlass.const_expr(self.crossover):
             # Neither CTA may exit while the peer can still store or arrive into its shared memory.
             # The consumers arrive before their last epilogue (``consume``), after their last
@@ -410,7 +344,6 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         else:
             row0 = stores.rank * (BLOCK_N // 2) + tidx // LANES_PER_ROW
         src = RowSource(mCache, mIndices, mTopkLen, topk, s_idx, row0, lane, page, num_rows, work)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         gather = RowGather(
             raw=cute.make_rmem_tensor((WORDS, LATENT_PIECES + 2, self.rows_in_flight), cutlass.Int32),
@@ -439,11 +372,6 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         tile_no = cutlass.Int32(0)  # the part's tiles so far (producer halves)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
             first, last = next_request(lens, mTopkLen, work, req, topk)
-            if cutlass.const_expr(not self.leader_follower):  # leader-follower: the follower loads Q
-                if warp_idx == 0:
-                    q_pipe.producer_acquire(q_state)
-                    q_load.copy(req)
-                q_state.advance()
             for blk in cutlass.range(first, last, unroll=1):
                 if cutlass.const_expr(self.halves):
                     if tile_no % 2 == half:
@@ -503,7 +431,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                     self.store_rope(gather, k, sBias, tok, kv_state.index, lane, stores,
                                     kv_pipe.producer_get_barrier(kv_state))
             else:
-                # Row by row (fewer live registers: the serial consumers' producer has 120).
+                # Row by row: the whole-tile gather (no crossover), piece after piece of each row.
                 for k in cutlass.range_constexpr(self.rows_in_flight):
                     tok = row0 + self.row_step * (g * self.rows_in_flight + k)
                     for m in cutlass.range_constexpr(LATENT_PIECES):
@@ -585,9 +513,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     @cute.jit
     def store_latent(self, gather, k, m, tok, stage, lane, stores, full_bar):
         """Dequantize latent piece ``m`` of this thread's share of a row into the K tile (zeros for an invalid
-        token); with the st.async hand-over also into the peer's tile.  The scale is rounded to the operand type
+        token).  The scale is rounded to the operand type
         and multiplied in it (bf16: as FlashMLA does): exact for the quantizer's power-of-two scales (in fp16
-        within the range ``schedule.fp16_operands`` states), and one multiply per two values."""
+        within the range the module docstring states), and one multiply per two values."""
         raw = gather.raw
         scale = cute.recast_tensor(raw[None, LATENT_PIECES, k], cutlass.Float32)[m]
         fp8 = cute.recast_tensor(raw[None, m, k], cutlass.Float8E4M3FN)
@@ -598,8 +526,6 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             # The swizzled offset of the thread's first piece: the others are whole blocks further.
             off = stores.offset(tok, lane * PIECE + h * (PIECE // 2)) + m * LATENT_STEP
             stores.store_local(off, stage, words, 4 * h)
-            if cutlass.const_expr(self.peer_stores):
-                stores.store_peer(off, stage, words, 4 * h, full_bar)
 
     @cute.jit
     def store_rope(self, gather, k, sBias, tok, stage, lane, stores, full_bar):
@@ -608,46 +534,13 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         rope = gather.raw[None, LATENT_PIECES + 1, k]
         off = stores.offset(tok, D_V + (PIECE // 2) * lane)
         stores.store_local(off, stage, rope, 0)
-        if cutlass.const_expr(self.peer_stores):
-            stores.store_peer(off, stage, rope, 0, full_bar)
         if lane == 0:
             bias = -cutlass.Float32.inf
-            bits = cutlass.Int32(NEG_INF_BITS)
             if gather.valid[k] != 0:
                 bias = 0.0
-                bits = 0
             sBias[tok, stage] = bias
-            if cutlass.const_expr(self.peer_stores):
-                stores.store_bias(tok, stage, bits, full_bar)
 
     # ------------------------------------------------------------- consumers
-    @cute.jit
-    def consume(self, v, sMax, sSum, sBias, q_pipe, q_conv, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx,
-                head_tile, work, rank):
-        rows, q_state, kv_state, tile = self.consumer_state(v, s_idx, head_tile)
-        bars = self.consumer_barriers()
-        lens = topk_lengths_ahead(mTopkLen, work)
-        for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            first, last = next_request(lens, mTopkLen, work, req, topk)
-            splits = load_splits(outs, req)
-            self.start_rows(v, rows)
-            q_pipe.consumer_wait(q_state)
-            if cutlass.const_expr(self.convert_q):
-                q_conv.run(v.wg * 128 + v.tid)
-            for blk in cutlass.range(first, last, unroll=1):
-                self.wait_stage(kv_pipe, kv_state)
-                self.mma_qk(v, v.acc_s, kv_state.index)
-                warpgroup.wait_group(0)
-                self.online_softmax(v, rows, bars, sMax, BiasMask(sBias, kv_state.index, v.wg * HALF_N), scale_log2)
-                self.mma_pv(v, bars, kv_state.index)
-                self.release_stage(kv_pipe, kv_state, rank)
-                kv_state.advance()
-            q_pipe.consumer_release(q_state)
-            q_state.advance()
-            self.exit_arrive_after(req, work)
-            self.epilogue(v, rows, bars, sSum, outs, work, scale_log2, req, tile, splits=splits)
-        self.exit_arrive_if_idle(work)
-
     @cute.jit
     def lead(self, v, sScale, sSum, sBias, q_full, q_conv, staged, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx,
              head_tile, work, rank):
@@ -667,8 +560,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             self.start_rows(v, rows)
             cute.arch.mbarrier_wait(q_full, q_phase[0])
             q_phase[0] = q_phase[0] ^ 1
-            if cutlass.const_expr(self.convert_q):
-                q_conv.run(v.tid)
+            q_conv.run(v.tid)
             for blk in cutlass.range(first, last, unroll=1):
                 self.wait_stage(kv_pipe, kv_state)
                 self.leader_qk(v, kv_state.index)
@@ -787,8 +679,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
 @dataclasses.dataclass
 class QConversion:
     """Q's bytes, which the TMA fills with bf16, turned in place into the MMAs' operands times ``Q_PRESCALE``
-    (the latent block fp16, the RoPE block bf16) by the threads that read Q (the leader, or both serial
-    consumers) before their first S of a request."""
+    (the latent block fp16, the RoPE block bf16) by the threads that read Q (the leader) before their first S
+    of a request."""
 
     words: Any  # Q's bytes as int32, flat: the conversion is element-wise, so the swizzle does not matter
     done: Any  # named barrier over the converting threads (its thread count splits the chunks)
@@ -907,7 +799,7 @@ class BiasMask:
 @dataclasses.dataclass
 class StageStores:
     """The producer's stores into the swizzled K stages: this CTA's, and with the crossover the peer CTA's
-    at the same byte offsets (st.async stores per row, or bulk copies of each producer warp's rows).
+    at the same byte offsets (bulk copies of each producer warp's rows).
 
     The 128-byte swizzle XORs byte-offset bits [4, 7) with bits [7, 10).  A stage (73 728 bytes) and a
     64-column block (8 KiB) are multiples of 1 KiB, so a row's swizzled offsets in stage 0 hold in every
@@ -932,18 +824,6 @@ class StageStores:
             cute.make_layout((WORDS,)),
         )
         cute.autovec_copy(cute.local_tile(words, (WORDS,), (w0 // WORDS,)), dst)
-
-    @cute.jit
-    def store_peer(self, off, stage, words, w0, full_bar):
-        """words[w0 : w0 + 4] at element ``off`` of the peer's stage, completing bytes on its ``full_bar``."""
-        cute.arch.store_async_dsmem(
-            self.k_base + cute.assume(off + stage * STAGE_ELEMS, divby=8),
-            (words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3]), full_bar, 1 - self.rank,
-        )
-
-    @cute.jit
-    def store_bias(self, tok, stage, bits, full_bar):
-        cute.arch.store_async_dsmem(self.bias_base + (stage * BLOCK_N + tok), bits, full_bar, 1 - self.rank)
 
     @cute.jit
     def copy_warp_block(self, stage, full_bar, warp, rows: cutlass.Constexpr, j):

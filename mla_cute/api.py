@@ -11,8 +11,9 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 from . import validation as V
-from .backend import ENV_VAR, dense_plan_schedule, num_sms, select_backend
+from .backend import ENV_VAR, select_backend
 from .backends import cute, reference
+from .device import device_facts
 from .fp8 import D_QK, dequantize_kv_cache
 from .schedules import (
     DEFAULT_DENSE_SCHEDULE,
@@ -20,8 +21,9 @@ from .schedules import (
     DenseDecodeSchedule,
     SparseDecodeSchedule,
     plan_splits,
+    resolve_dense,
+    resolve_sparse,
     sparse_lengths,
-    sparse_num_sm_parts_for,
 )
 
 _SCHEDULE_TYPES = (DenseDecodeSchedule, SparseDecodeSchedule)
@@ -38,7 +40,7 @@ def use_schedule(schedule):
     A ``DenseDecodeSchedule`` applies to dense decode, a ``SparseDecodeSchedule`` to sparse
     FP8 decode; blocks nest, one schedule of each kind at a time::
 
-        with mla_cute.use_schedule(DenseDecodeSchedule(qk_prefetch=False)):
+        with mla_cute.use_schedule(DenseDecodeSchedule(split_fixed_cost=3)):
             out, lse = mla_cute.flash_mla_with_kvcache(...)
     """
     if not isinstance(schedule, _SCHEDULE_TYPES):
@@ -58,6 +60,7 @@ def _resolve_schedule(schedule, kind: type):
     if not isinstance(schedule, kind):
         what = "dense decode" if kind is DenseDecodeSchedule else "sparse decode (indices given)"
         raise TypeError(f"schedule must be a {kind.__name__} for {what}, got {type(schedule).__name__}")
+    schedule.validate()
     return schedule
 
 
@@ -432,8 +435,10 @@ def flash_mla_sparse_fwd(
 def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens, causal, schedule,
                              host_lengths) -> None:
     """Give reference users the same metadata tensors the kernels would use."""
-    plan = dense_plan_schedule(q.device, schedule, q.shape[1], q.shape[2], k_cache.shape[2], causal, host_lengths)
-    records, splits = plan_splits(cache_seqlens, plan.parts, 64, *plan.policy)
+    call = resolve_dense(schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=q.shape[1], h_q=q.shape[2],
+                         h_kv=k_cache.shape[2], causal=causal, page=k_cache.shape[1], device=device_facts(q.device),
+                         host_lengths=host_lengths)
+    records, splits = plan_splits(cache_seqlens, call.parts, 64, *call.scheduler.policy())
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
 
@@ -442,9 +447,10 @@ def _fill_sparse_reference_metadata(meta: FlashMLASchedMeta, q, topk: int, topk_
     """The split plan of the sparse kernel (FlashMLA's: 64-token blocks over topk, fixed cost 5)."""
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # planning on the host needs the lengths' values
-    parts = schedule.num_sm_parts or sparse_num_sm_parts_for(num_sms(q.device), q.shape[1], q.shape[2])
-    records, splits = plan_splits(sparse_lengths(topk, topk_length, q.shape[0]), parts, 64,
-                                  *schedule.plan_policy(q.shape[1] * q.shape[2]))
+    b, s_q, h_q, _ = q.shape
+    call = resolve_sparse(schedule, b=b, s_q=s_q, h_q=h_q, topk=topk, has_sink=False,
+                          has_topk_length=topk_length is not None, device=device_facts(q.device))
+    records, splits = plan_splits(sparse_lengths(topk, topk_length, b), call.parts, 64, *call.scheduler.policy())
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
 
@@ -456,11 +462,11 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64) and ``schedule``.
     Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
     ``attn_sink`` and ``topk_length`` (False: whether calls pass one) and ``schedule``.
-    ``schedule`` (keyword) is the default for configurations of its kind.  Every kernel a plan can
-    choose is built: under the default dense schedule (the loads' cache policy and the partials' dtype
-    chosen per plan) six, normal loads with fp32 partials and evict-first loads with fp32 or 16-bit
-    partials, each with and without the combine; under the default sparse schedule the kernels of plans
-    that are small (``small_plan_tiles``) and of those that are not.  Needs no GPU (set
+    ``schedule`` (keyword) is the default for configurations of its kind.  Every kernel a call of the
+    configuration can resolve to is built (``mla_cute.schedules.dense_precompile_steps`` and
+    ``sparse_precompile_steps``): for dense decode normal and evict-first loads, each with and without the
+    combine, and where the shape takes 4-CTA clusters their step too; for sparse decode the kernels of
+    plans that are small (``small_plan_tiles``) and of those that are not.  Needs no GPU (set
     ``CUTE_DSL_ARCH=sm_90a`` before importing cutlass on a machine without one).  Returns the
     number of configurations prepared; each cold compile logs a line with its configuration.
     """

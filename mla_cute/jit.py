@@ -71,17 +71,18 @@ def cache_dir() -> Path:
 
 
 def _sources_hash() -> str:
-    """Hash of the kernel and schedule sources (the code that decides what gets compiled)."""
+    """Hash of the kernel and schedule sources (the code that decides what gets compiled), read from their
+    folders without importing them (importing the kernels would import the DSL)."""
     global _source_hash
     if _source_hash is None:
-        import mla_cute.kernels
-        import mla_cute.schedules
+        import importlib.util
 
         h = hashlib.sha256()
-        for pkg in (mla_cute.kernels, mla_cute.schedules):
-            for path in sorted(Path(pkg.__file__).parent.glob("*.py")):
-                h.update(path.name.encode())
-                h.update(path.read_bytes())
+        for name in ("mla_cute.kernels", "mla_cute.schedules"):
+            for folder in importlib.util.find_spec(name).submodule_search_locations:
+                for path in sorted(Path(folder).glob("*.py")):
+                    h.update(path.name.encode())
+                    h.update(path.read_bytes())
         _source_hash = h.hexdigest()[:16]
     return _source_hash
 

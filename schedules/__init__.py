@@ -1,35 +1,35 @@
-"""Schedules as plain Python data, and the split-KV planner (imported as ``mla_cute.schedules``)."""
+"""Schedules as plain Python data, the split-KV planner, and the resolvers from a schedule and a call to
+frozen kernel configs (imported as ``mla_cute.schedules``)."""
 
-from .checks import SMEM_CAPACITY
-from .dense import (
-    DEFAULT_DENSE_SCHEDULE,
-    PREFETCH_DENSE_SCHEDULE,
-    SEESAW_DENSE_SCHEDULE,
-    SERIAL_DENSE_SCHEDULE,
-    DenseDecodeSchedule,
-)
-from .sparse import (
-    CROSSOVER_SPARSE_SCHEDULE,
-    DEFAULT_SPARSE_SCHEDULE,
-    NO_CROSSOVER_SPARSE_SCHEDULE,
-    SERIAL_SPARSE_SCHEDULE,
-    SparseDecodeSchedule,
-)
+from .configs import (CombineConfig, DenseSplitConfig, DenseStepConfig, SchedulerConfig, SparseSplitConfig,
+                      SparseStepConfig)
+from .dense import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
 from .planner import (RECORD_FIELDS, RECORD_SIZE, m_tiles_for, num_sm_parts_for, plan_facts, plan_has_split, plan_splits,
                       sparse_lengths, sparse_num_sm_parts_for)
+from .resolve import (HOPPER, DenseCall, DeviceFacts, SparseCall, dense_precompile_steps, experiment, resolve_dense,
+                      resolve_sparse, sparse_precompile_steps)
+from .sparse import DEFAULT_SPARSE_SCHEDULE, SparseDecodeSchedule
 
 __all__ = [
     "DEFAULT_DENSE_SCHEDULE",
-    "SERIAL_DENSE_SCHEDULE",
-    "PREFETCH_DENSE_SCHEDULE",
-    "SEESAW_DENSE_SCHEDULE",
-    "SMEM_CAPACITY",
     "DenseDecodeSchedule",
     "DEFAULT_SPARSE_SCHEDULE",
-    "NO_CROSSOVER_SPARSE_SCHEDULE",
-    "CROSSOVER_SPARSE_SCHEDULE",
-    "SERIAL_SPARSE_SCHEDULE",
     "SparseDecodeSchedule",
+    "CombineConfig",
+    "DenseSplitConfig",
+    "DenseStepConfig",
+    "SchedulerConfig",
+    "SparseSplitConfig",
+    "SparseStepConfig",
+    "DeviceFacts",
+    "HOPPER",
+    "DenseCall",
+    "SparseCall",
+    "resolve_dense",
+    "resolve_sparse",
+    "dense_precompile_steps",
+    "sparse_precompile_steps",
+    "experiment",
     "RECORD_FIELDS",
     "RECORD_SIZE",
     "m_tiles_for",

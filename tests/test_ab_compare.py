@@ -23,16 +23,18 @@ def test_spec_rows_and_variants_resolve(tmp_path):
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DEFAULT_SPARSE_SCHEDULE
 
     rows = ab_compare.load_spec(_spec(tmp_path, [
-        {"kind": "dense", "row": [1, 1, 128, 131072], "variants": ["default", "default:partials_16bit=False"]},
+        {"kind": "dense", "row": [1, 1, 128, 131072], "variants": ["default", "serial:split_fixed_cost=3"]},
         {"kind": "sparse", "row": [2, 2, 128, 32768, 2048],
-         "variants": ["default", "default:partials_16bit=False,small_plan_tiles=0"]},
+         "variants": ["default", "default:num_sm_parts=16,small_plan_tiles=0"]},
     ]))
     (dense_kind, dense_row, dense), (sparse_kind, sparse_row, sparse) = rows
     assert (dense_kind, dense_row, sparse_kind, sparse_row) == ("dense", (1, 1, 128, 131072), "sparse",
                                                                 (2, 2, 128, 32768, 2048))
-    assert dense["default"] == DEFAULT_DENSE_SCHEDULE and dense["default:partials_16bit=False"].partials_16bit is False
+    assert dense["default"].schedule == DEFAULT_DENSE_SCHEDULE and dense["default"].experiment == ""
+    assert dense["serial:split_fixed_cost=3"].experiment == "serial"
+    assert dense["serial:split_fixed_cost=3"].schedule.split_fixed_cost == 3
     assert sparse["default"] == DEFAULT_SPARSE_SCHEDULE
-    assert sparse["default:partials_16bit=False,small_plan_tiles=0"].small_plan_tiles == 0
+    assert sparse["default:num_sm_parts=16,small_plan_tiles=0"].small_plan_tiles == 0
 
 
 @pytest.mark.parametrize("rows,match", [
@@ -44,8 +46,8 @@ def test_spec_rows_and_variants_resolve(tmp_path):
     ([{"kind": "dense", "row": [1, 1, 128, 4096], "variants": []}], "variants must be a non-empty list"),
     ([{"kind": "dense", "row": [1, 1, 128, 4096], "variants": ["fastest"]}], "variant 'fastest'"),
     ([{"kind": "dense", "row": [1, 1, 128, 4096], "variants": ["default:no_such_field=1"]}], "no_such_field"),
-    ([{"kind": "dense", "row": [1, 1, 128, 4096], "variants": ["default:partials_16bit=3"]}],
-     "partials_16bit must be a bool"),
+    ([{"kind": "dense", "row": [1, 1, 128, 4096], "variants": ["default:split_fixed_cost=-1"]}],
+     "split_fixed_cost must be an int >= 0"),
 ])
 def test_malformed_spec_is_rejected(tmp_path, rows, match):
     import ab_compare

@@ -6,7 +6,6 @@ import os
 import re
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.compile
 
@@ -56,9 +55,38 @@ def test_wgmma_serialization_check_reads_wrapped_remarks():
 
 def _out_copied_sync() -> str:
     """The PTX of the sparse follower's 128 threads meeting at OUT_COPIED (the staged rows copied out)."""
-    from mla_cute.kernels.leader_follower import LeaderBarrier
+    from mla_cute.kernels.barriers import SparseBarrier
 
-    return f"bar.sync \t{int(LeaderBarrier.OUT_COPIED)}, 128;"
+    return f"bar.sync \t{int(SparseBarrier.OUT_COPIED)}, 128;"
+
+
+def _dense_step(dtype: str, s_q: int, h_q: int, h_kv: int, causal: bool, *, with_combine: bool = False,
+                fill: bool = False, **split):
+    """The dense step the resolver makes for a call of this shape whose plan the host does not know (as in a
+    CUDA graph capture), its split config's fields ``split`` replaced: a kernel variant the resolver picks for
+    other shapes or plans, built directly."""
+    import dataclasses
+
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, resolve_dense
+
+    step = resolve_dense(DEFAULT_DENSE_SCHEDULE, dtype=dtype, s_q=s_q, h_q=h_q, h_kv=h_kv, causal=causal,
+                         page=64).capture_step
+    return dataclasses.replace(step, split=dataclasses.replace(step.split, **split), with_combine=with_combine,
+                               fill=fill)
+
+
+def _sparse_step(s_q: int, h_q: int, has_sink: bool = False, *, has_topk_length: bool = False,
+                 with_combine: bool = False, **split):
+    """The sparse step the resolver makes for this shape on a plan that is not small, its split config's fields
+    ``split`` replaced (the crossover, its producer halves and 16-bit partials are chosen per shape and plan)."""
+    import dataclasses
+
+    from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, resolve_sparse
+
+    # 4096 requests of 2048 tokens: far more tiles a part than a small plan has.
+    step = resolve_sparse(DEFAULT_SPARSE_SCHEDULE, b=4096, s_q=s_q, h_q=h_q, topk=2048, has_sink=has_sink,
+                          has_topk_length=has_topk_length, capturing=True).capture_step
+    return dataclasses.replace(step, split=dataclasses.replace(step.split, **split), with_combine=with_combine)
 
 
 @pytest.fixture(autouse=True)
@@ -75,27 +103,28 @@ def _no_artifacts_in_working_dir():
 
 
 @pytest.mark.parametrize(
-    "dtype,s_q,h_q,h_kv,causal,schedule",
+    "dtype,s_q,h_q,h_kv,causal,evict_first",
     [
-        (torch.bfloat16, 1, 128, 1, False, "serial"),
-        (torch.float16, 2, 64, 1, True, "serial"),
-        (torch.bfloat16, 4, 9, 3, True, "prefetch"),
+        ("bfloat16", 1, 128, 1, False, False),
+        ("float16", 2, 64, 1, True, False),
+        ("bfloat16", 4, 9, 3, True, True),
     ],
 )
-def test_dense_decode_uses_wgmma_tma_mbarriers_without_spills(dtype, s_q, h_q, h_kv, causal, schedule, capfd):
-    """The serial kernel (a TMA producer warpgroup handing its registers to two consumers)."""
-    from mla_cute.kernels.build import compile_dense_decode
-    from mla_cute.schedules import PREFETCH_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE
+def test_dense_serial_uses_wgmma_tma_mbarriers_without_spills(dtype, s_q, h_q, h_kv, causal, evict_first, capfd):
+    """The serial baseline (a TMA producer warpgroup handing its registers to two consumers), built from the
+    config an experiment rewrites the resolver's into (``kernel="serial"``, one CTA a cluster)."""
+    from mla_cute.kernels.build import compile_dense
 
-    sched = SERIAL_DENSE_SCHEDULE if schedule == "serial" else PREFETCH_DENSE_SCHEDULE
-    fn = compile_dense_decode(dtype, s_q, h_q, h_kv, causal, 64, sched, options=OPTIONS)
-    ptx = fn.__ptx__
+    step = _dense_step(dtype, s_q, h_q, h_kv, causal, kernel="serial", cluster_ctas=1, cross_term_first=False,
+                       evict_first=evict_first)
+    ptx = compile_dense(step, options=OPTIONS).__ptx__
     assert ptx, "no PTX kept"
     # QK^T over 576 = 36 k-steps of 16, PV over 64 tokens = 4.
     assert ptx.count("wgmma.mma_async") >= 40
     assert "cp.async.bulk.tensor" in ptx
     assert "mbarrier.try_wait" in ptx
     assert "setmaxnreg" in ptx
+    assert ("L2::cache_hint" in ptx) == evict_first, "evict-first loads carry an L2 cache hint"
     assert "ld.local" not in ptx and "st.local" not in ptx
     err = capfd.readouterr().err
     _assert_wgmma_not_serialized(err)
@@ -106,25 +135,22 @@ def test_dense_decode_uses_wgmma_tma_mbarriers_without_spills(dtype, s_q, h_q, h
     _check_register_split(ptx, regs, inc_warpgroups=2)
 
 
-@pytest.mark.parametrize("s_q,h_q,causal,cross_first,loader", [(2, 128, True, True, True), (1, 64, False, True, True),
-                                                                (2, 64, True, False, True), (1, 128, False, True, False)])
-def test_dense_seesaw_splits_tiles_into_sub_tile_copies_without_spills(s_q, h_q, causal, cross_first, loader, capfd):
+@pytest.mark.parametrize("s_q,h_q,causal,cluster_ctas,cross_first",
+                         [(2, 128, True, 2, True), (1, 64, False, 1, True), (2, 64, True, 1, False),
+                          (1, 128, False, 2, False)])
+def test_dense_seesaw_splits_tiles_into_sub_tile_copies_without_spills(s_q, h_q, causal, cluster_ctas, cross_first,
+                                                                       capfd):
     """The seesaw kernel: 9 TMA sub-tile copies per tile with their own barriers, S = Q K^T partly with
     Q's RoPE part from registers, P V from registers and from shared memory, no WGMMA serialization; the
     cross term first with one M tile or with tile multicast (h_q = 128), FlashMLA's step order with two
-    unpaired M tiles.  By default a load warpgroup issues the copies, its registers given to the two
-    consumer warpgroups (setmaxnreg within the CTA's launch allocation, or the increase never returns);
-    without it both warpgroups keep the launch count."""
-    import dataclasses
+    unpaired M tiles (the resolver's choices), and FlashMLA's order on pairs (an experiment's).  A load
+    warpgroup issues the copies, its registers given to the two consumer warpgroups (setmaxnreg within the
+    CTA's launch allocation, or the increase never returns)."""
+    from mla_cute.kernels.barriers import SeesawBarrier
+    from mla_cute.kernels.build import compile_dense
 
-    from mla_cute.kernels.build import compile_dense_decode
-    from mla_cute.kernels.seesaw import SeesawBarrier
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE
-
-    assert DEFAULT_DENSE_SCHEDULE == SEESAW_DENSE_SCHEDULE
-    sched = SEESAW_DENSE_SCHEDULE if loader else dataclasses.replace(SEESAW_DENSE_SCHEDULE, load_warpgroup=False)
-    fn = compile_dense_decode(torch.bfloat16, s_q, h_q, 1, causal, 64, sched, options=OPTIONS)
-    ptx = fn.__ptx__
+    step = _dense_step("bfloat16", s_q, h_q, 1, causal, cluster_ctas=cluster_ctas, cross_term_first=cross_first)
+    ptx = compile_dense(step, options=OPTIONS).__ptx__
     named = {int(b) for b in re.findall(r"bar(?:rier)?\.(?:sync|arrive)(?:\.aligned)? (\d+),", ptx)}
     assert (int(SeesawBarrier.P0_READ) in named) == cross_first
     assert (int(SeesawBarrier.P1_ISSUED) in named) != cross_first
@@ -133,51 +159,42 @@ def test_dense_seesaw_splits_tiles_into_sub_tile_copies_without_spills(s_q, h_q,
     assert ptx.count("mbarrier.arrive.expect_tx") >= 19
     # P and Q's RoPE columns as register A operands (the .f32.bf16.bf16 form with {...} A registers).
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*\{", ptx)
-    assert ("setmaxnreg" in ptx) == loader
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    err = capfd.readouterr().err
-    _assert_wgmma_not_serialized(err)
-    spills, regs = _ptxas_report(err)
-    assert spills and all(sp == (0, 0, 0) for sp in spills), f"stack frame / spills: {spills}"
-    if loader:
-        assert max(regs) <= 168, f"registers {regs} exceed the 384-thread, 1-CTA budget"
-        _check_register_split(ptx, regs, inc_warpgroups=2)
-    else:
-        assert max(regs) <= 255
+    assert "setmaxnreg" in ptx
+    multicast = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.\S*multicast::cluster", ptx)
+    assert bool(multicast) == (cluster_ctas > 1)
+    regs = _assert_seesaw_build_clean(ptx, capfd)
+    assert max(regs) <= 168, f"registers {regs} exceed the 384-thread, 1-CTA budget"
+    _check_register_split(ptx, regs, inc_warpgroups=2)
 
 
 @pytest.mark.parametrize("evict_first", [False, True])
 def test_dense_tile_multicast_loads_each_sub_tile_once_for_the_pair(evict_first, capfd):
-    """``tile_multicast``: a 2-CTA cluster, each CTA loading half of every sub-tile into both (TMA
+    """``cluster_ctas=2``: a 2-CTA cluster, each CTA loading half of every sub-tile into both (TMA
     multicast), handing its copy of a buffer half back to the peer (remote mbarrier arrival), and a
-    cluster barrier after the barriers' initialisation and before exit."""
-    import dataclasses
+    cluster barrier after the barriers' initialisation and before exit; with normal and evict-first loads
+    (the resolver picks them per plan)."""
+    from mla_cute.kernels.build import compile_dense
 
-    from mla_cute.kernels.build import compile_dense_decode
-    from mla_cute.schedules import SEESAW_DENSE_SCHEDULE
-
-    sched = dataclasses.replace(SEESAW_DENSE_SCHEDULE, tile_multicast=True, kv_evict_first=evict_first)
-    fn = compile_dense_decode(torch.bfloat16, 1, 128, 1, False, 64, sched, options=OPTIONS)
-    ptx = fn.__ptx__
-    multicast = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.\S*multicast::cluster", ptx))
-    assert multicast >= 9 + 9  # a request's first two tiles, then each refill
+    step = _dense_step("bfloat16", 1, 128, 1, False, evict_first=evict_first)
+    assert step.split.cluster_ctas == 2 and step.split.cross_term_first, step.split
+    ptx = compile_dense(step, options=OPTIONS).__ptx__
+    copies = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.\S+", ptx)
+    multicast = [copy for copy in copies if "multicast::cluster" in copy]
+    assert len(multicast) >= 9 + 9  # a request's first two tiles, then each refill
+    # Evict-first: every tile copy carries the L2 cache policy (Q's copy does not).
+    assert all(("L2::cache_hint" in copy) == evict_first for copy in multicast), multicast[:2]
     assert "mbarrier.arrive.shared::cluster" in ptx
     assert ptx.count("barrier.cluster.arrive") >= 2 and ptx.count("barrier.cluster.wait") >= 2
     _assert_seesaw_build_clean(ptx, capfd)
 
 
 def test_dense_quad_multicast_loads_a_quarter_of_each_sub_tile_into_four(capfd):
-    """``multicast_ctas=4`` (s_q = 2, h_q = 128: four M tiles): every sub-tile copy multicasts into the four
+    """``cluster_ctas=4`` (s_q = 2, h_q = 128: four M tiles): every sub-tile copy multicasts into the four
     CTAs (mask 0b1111), each hand-back reaches the three peers, each buffer half's barrier counts four
     hand-backs, and the kernel keeps its registers without spills."""
-    import dataclasses
+    from mla_cute.kernels.build import compile_dense
 
-    from mla_cute.kernels.build import compile_dense_decode
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
-
-    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, multicast_ctas=4)
-    fn = compile_dense_decode(torch.bfloat16, 2, 128, 1, True, 64, sched, options=OPTIONS)
-    ptx = fn.__ptx__
+    ptx = compile_dense(_dense_step("bfloat16", 2, 128, 1, True, cluster_ctas=4), options=OPTIONS).__ptx__
     multicast = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.\S*multicast::cluster", ptx)
     assert len(multicast) >= 9 + 9
     masks = set(re.findall(r"mov\.b16\s+%rs\d+, (\d+);", ptx))
@@ -188,19 +205,37 @@ def test_dense_quad_multicast_loads_a_quarter_of_each_sub_tile_into_four(capfd):
     assert max(_assert_seesaw_build_clean(ptx, capfd)) <= 168
 
 
+def test_dense_smem_bytes_match_the_planned_occupancy():
+    """The device's cluster counts (``mla_cute.device.device_facts``, which the resolver plans 4-CTA clusters
+    and the idle-SM fill with) come from an occupancy query for ``DENSE_SMEM_BYTES`` of shared memory and
+    ``DENSE_THREADS`` threads: the seesaw kernel, traced for a 4-CTA cluster as ``compile_dense`` traces it,
+    takes exactly that."""
+    import cutlass.cute as cute
+
+    from mla_cute.jit import compile_options
+    from mla_cute.kernels.build import dense_decode_signature
+    from mla_cute.kernels.constants import DTYPES
+    from mla_cute.kernels.dense_seesaw import DenseSeesawKernel
+    from mla_cute.schedules.resolve import DENSE_SMEM_BYTES, DENSE_THREADS
+
+    split = _dense_step("float16", 1, 256, 1, False, cluster_ctas=4).split
+    kernel = DenseSeesawKernel(split)
+    args = dense_decode_signature(DTYPES[split.dtype], split.s_q, split.group * split.h_kv, split.h_kv, split.page)
+    cute.compile(kernel, *args, options=compile_options(""))
+    assert kernel.smem_bytes == DENSE_SMEM_BYTES, (kernel.smem_bytes, DENSE_SMEM_BYTES)
+    assert kernel.num_threads == DENSE_THREADS
+
+
 def test_dense_idle_sm_fill_orders_its_two_split_kernels(capfd):
     """The idle-SM fill's step (``kernels/fill.py``): the 4-CTA clusters' kernel (mask 0b1111) lets the next
     kernel launch as each CTA starts, before its first copy; the pairs' kernel (mask 0b11) waits for it after its
     last cluster barrier; the combine waits as usual; neither split kernel spills.  The step without fill has
     no programmatic launch in its split kernel."""
-    import dataclasses
+    from mla_cute.kernels.build import compile_dense, compile_scheduler
+    from mla_cute.schedules import SchedulerConfig
 
-    from mla_cute.kernels.build import compile_dense_decode, compile_scheduler
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
-
-    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, multicast_ctas=4)
-    ptx = compile_dense_decode(torch.bfloat16, 2, 128, 1, True, 64, sched, options=OPTIONS, with_combine=True,
-                               fill=True).__ptx__
+    ptx = compile_dense(_dense_step("bfloat16", 2, 128, 1, True, cluster_ctas=4, with_combine=True, fill=True),
+                        options=OPTIONS).__ptx__
     bodies = ptx.split(".entry")[1:]
     split = [body for body in bodies if "wgmma.mma_async" in body]
     assert len(bodies) == 4 and len(split) == 2
@@ -213,49 +248,27 @@ def test_dense_idle_sm_fill_orders_its_two_split_kernels(capfd):
     for body, mask in ((clusters, "15"), (fill, "3")):
         assert set(re.findall(r"mov\.b16\s+%rs\d+, (\d+);", body)) == {mask}
     assert max(_assert_seesaw_build_clean(ptx, capfd)) <= 168
-    plain = compile_dense_decode(torch.bfloat16, 2, 128, 1, True, 64, sched, options=OPTIONS).__ptx__
+    plain = compile_dense(_dense_step("bfloat16", 2, 128, 1, True, cluster_ctas=4), options=OPTIONS).__ptx__
     assert "griddepcontrol" not in plain
-    compile_scheduler(5, 16, 16, 3, 11, options=OPTIONS)
+    compile_scheduler(SchedulerConfig(5, 16, 16, 3, 11), options=OPTIONS)
     spills, _ = _ptxas_report(capfd.readouterr().err)
     assert spills and all(sp == (0, 0, 0) for sp in spills), spills
-    with pytest.raises(ValueError, match="fill=True needs a schedule of 4-CTA clusters"):
-        compile_dense_decode(torch.bfloat16, 2, 128, 1, True, 64, DEFAULT_DENSE_SCHEDULE, fill=True)
+    with pytest.raises(ValueError, match="4-CTA clusters"):
+        compile_dense(_dense_step("bfloat16", 2, 128, 1, True, fill=True))
 
 
-@pytest.mark.parametrize("s_q,h_q,causal", [(1, 64, False), (2, 64, True), (3, 64, False)])
-def test_dense_tile_multicast_refuses_m_tiles_it_cannot_pair(s_q, h_q, causal):
-    """Forced on where the M tiles cannot be paired (one M tile; causal rows of different positions; an
-    odd count), the kernel is refused before it is built, naming the field."""
-    from mla_cute.kernels.build import compile_dense_decode
-    from mla_cute.schedules import DenseDecodeSchedule
+def test_sparse_16bit_partials_leave_through_staged_rows_without_spills(capfd):
+    """With ``partials_16bit`` (small plans: the crossover without producer halves) a split's rows are staged
+    like the final rows and leave the same way, 16-byte loads and stores by the follower's threads; the
+    combine loads 16-bit vectors, no spills."""
+    from mla_cute.kernels.build import compile_sparse
 
-    with pytest.raises(ValueError, match="tile_multicast"):
-        compile_dense_decode(torch.bfloat16, s_q, h_q, 1, causal, 64, DenseDecodeSchedule(tile_multicast=True))
-
-
-@pytest.mark.parametrize("kind", ["dense", "sparse"])
-def test_16bit_partials_leave_through_staged_rows_without_spills(kind, capfd):
-    """With ``partials_16bit`` a split's rows are staged like the final rows and leave the same way: a
-    second set of bulk copies from shared memory to global memory (dense, one per row) or of 16-byte
-    loads and stores (sparse, the follower's threads); the combine loads 16-bit vectors, no spills."""
-    import dataclasses
-
-    from mla_cute.kernels.build import compile_dense_decode, compile_sparse_decode
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DEFAULT_SPARSE_SCHEDULE
-
-    if kind == "dense":
-        sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, partials_16bit=True)
-        fn = compile_dense_decode(torch.bfloat16, 1, 128, 1, False, 64, sched, options=OPTIONS, with_combine=True)
-    else:
-        sched = dataclasses.replace(DEFAULT_SPARSE_SCHEDULE, partials_16bit=True)
-        fn = compile_sparse_decode(2, 128, False, sched, options=OPTIONS, with_combine=True)
-    ptx = fn.__ptx__
-    if kind == "dense":
-        assert ptx.count("cp.async.bulk.global.shared") == 2, "final rows and partials, each a bulk copy per row"
-    else:
-        assert "cp.async.bulk.global.shared" not in ptx
-        # The follower's threads copy the rows out and meet at OUT_COPIED: final rows and partials.
-        assert ptx.count(_out_copied_sync()) == 2 and ptx.count("st.global.v4.b32") >= 2
+    step = _sparse_step(2, 128, with_combine=True, producer_halves=False, partials_16bit=True)
+    assert step.split.crossover
+    ptx = compile_sparse(step, options=OPTIONS).__ptx__
+    assert "cp.async.bulk.global.shared" not in ptx
+    # The follower's threads copy the rows out and meet at OUT_COPIED: final rows and partials.
+    assert ptx.count(_out_copied_sync()) == 2 and ptx.count("st.global.v4.b32") >= 2
     assert re.search(r"ld\.global(\.\w+)*\.v2\.b32", ptx), "the combine's 16-bit partial vectors (4 x 16 bits)"
     assert "ld.local" not in ptx and "st.local" not in ptx
     err = capfd.readouterr().err
@@ -266,24 +279,27 @@ def test_16bit_partials_leave_through_staged_rows_without_spills(kind, capfd):
 
 def test_combine_and_scheduler_compile_without_spills(capfd):
     from mla_cute.kernels.build import compile_combine, compile_scheduler
+    from mla_cute.schedules import CombineConfig, SchedulerConfig
 
-    ptx = compile_combine(torch.bfloat16, 2, 64, 1, options=OPTIONS).__ptx__
+    ptx = compile_combine(CombineConfig("bfloat16", 64, 2), h_kv=1, options=OPTIONS).__ptx__
     # Two kernels: rows / column chunks a warp each, and the spread chunks, whose warps meet at a barrier.
     assert ptx.count(".entry") == 2 and "spread_kernel" in ptx and "bar.sync" in ptx
-    compile_scheduler(5, options=OPTIONS)
-    compile_scheduler(5, 12, options=OPTIONS)  # with the search for a plan of whole requests
-    compile_scheduler(5, 0, 4, options=OPTIONS)  # for a plan of even pieces
-    compile_scheduler(5, 12, 4, options=OPTIONS)  # both
+    compile_scheduler(SchedulerConfig(5), options=OPTIONS)
+    compile_scheduler(SchedulerConfig(5, 12), options=OPTIONS)  # with the search for a plan of whole requests
+    compile_scheduler(SchedulerConfig(5, 0, 4), options=OPTIONS)  # for a plan of even pieces
+    compile_scheduler(SchedulerConfig(5, 12, 4), options=OPTIONS)  # both
     spills, _ = _ptxas_report(capfd.readouterr().err)
     assert len(spills) == 6 and all(s == (0, 0, 0) for s in spills), spills
 
 
-def test_combine_with_pdl_waits_for_the_split_kernel_before_the_partials(capfd):
-    """With ``combine_pdl`` each combine kernel reads the split counts, then waits for the split grid
-    (every thread, split request or not) before its first load of a partial."""
+def test_combine_waits_for_the_split_kernel_before_the_partials(capfd):
+    """Each combine kernel (a programmatic dependent launch) reads the split counts, then waits for the split
+    grid (every thread, split request or not) before its first load of a partial; with a sink, as sparse
+    decode's combine takes it."""
     from mla_cute.kernels.build import compile_combine
+    from mla_cute.schedules import CombineConfig
 
-    ptx = compile_combine(torch.bfloat16, 2, 64, 1, options=OPTIONS, pdl=True).__ptx__
+    ptx = compile_combine(CombineConfig("bfloat16", 128, 1, has_sink=True), h_kv=1, options=OPTIONS).__ptx__
     kernels = ptx.split(".entry")[1:]
     assert len(kernels) == 2
     for body in kernels:
@@ -294,14 +310,13 @@ def test_combine_with_pdl_waits_for_the_split_kernel_before_the_partials(capfd):
     assert "griddepcontrol.launch_dependents" not in ptx
     spills, _ = _ptxas_report(capfd.readouterr().err)
     assert len(spills) == 2 and all(sp == (0, 0, 0) for sp in spills), spills
-    assert "griddepcontrol" not in compile_combine(torch.bfloat16, 2, 64, 1, options=OPTIONS).__ptx__
 
 
 def _check_register_split(ptx: str, regs: list, inc_warpgroups: int = 1) -> None:
     """setmaxnreg moves registers inside the CTA's launch allocation (3 warpgroups): the budgets must fit
     in regs x 384, or an increase never returns (a hang, not an error).  The sparse kernel has one
-    setmaxnreg per warpgroup; the dense serial kernel's increase is executed by both consumer
-    warpgroups (``inc_warpgroups=2``).  A warpgroup without one keeps the launch count."""
+    setmaxnreg per warpgroup; the dense kernels' increase is executed by both consumer warpgroups
+    (``inc_warpgroups=2``).  A warpgroup without one keeps the launch count."""
     dec = [int(m) for m in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx)]
     inc = [int(m) for m in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)] * inc_warpgroups
     assert inc and dec and len(dec) + len(inc) <= 3, (dec, inc)
@@ -309,29 +324,26 @@ def _check_register_split(ptx: str, regs: list, inc_warpgroups: int = 1) -> None
     assert sum(budgets) <= max(regs) * 3, f"setmaxnreg {budgets} exceeds {max(regs)} x 384"
 
 
-@pytest.mark.parametrize("leader_follower", [True, False])
 @pytest.mark.parametrize("s_q,h_q,sink", [(2, 128, True), (1, 64, False), (1, 16, False)])
-def test_sparse_decode_gathers_with_vector_loads_without_spills(s_q, h_q, sink, leader_follower, capfd):
-    from mla_cute.kernels.build import compile_sparse_decode
-    from mla_cute.schedules import SparseDecodeSchedule
+def test_sparse_decode_gathers_with_vector_loads_without_spills(s_q, h_q, sink, capfd):
+    """The whole-tile gather (each CTA gathers all 64 rows of a token tile: the resolver's kernel where the
+    64-head tiles do not pair, forced at h_q = 128)."""
+    from mla_cute.kernels.build import compile_sparse
 
-    sched = SparseDecodeSchedule(crossover=False, leader_follower=leader_follower)
-    fn = compile_sparse_decode(s_q, h_q, sink, sched, options=OPTIONS)
-    ptx = fn.__ptx__
+    step = _sparse_step(s_q, h_q, sink, crossover=False, producer_halves=False)
+    ptx = compile_sparse(step, options=OPTIONS).__ptx__
     assert ptx.count("wgmma.mma_async") >= 40
     assert "cp.async.bulk.tensor" in ptx  # Q
     # 6 x 16-byte loads per gathered row, 4 rows per thread per tile.
     assert ptx.count("ld.global.v4.b32") >= 24
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
-    # Leader-follower: final rows leave through shared memory, copied out by the follower's threads in
-    # 16-byte pieces, which meet at a barrier of their own before the next Q overwrites them; the serial
-    # consumers store them from registers.
-    staged = "ld.shared.v4.b32" in ptx and "st.global.v4.b32" in ptx and _out_copied_sync() in ptx
-    assert staged == leader_follower
+    # Final rows leave through shared memory, copied out by the follower's threads in 16-byte pieces, which
+    # meet at a barrier of their own before the next Q overwrites them.
+    assert "ld.shared.v4.b32" in ptx and "st.global.v4.b32" in ptx and _out_copied_sync() in ptx
     assert "cp.async.bulk.global.shared" not in ptx
     # The follower prefetches the next request's Q into L2 (one TMA prefetch per 64-column box of Q).
-    assert ("cp.async.bulk.prefetch.tensor" in ptx) == leader_follower
+    assert "cp.async.bulk.prefetch.tensor" in ptx
     err = capfd.readouterr().err
     _assert_wgmma_not_serialized(err)
     spills, regs = _ptxas_report(err)
@@ -340,28 +352,21 @@ def test_sparse_decode_gathers_with_vector_loads_without_spills(s_q, h_q, sink, 
     _check_register_split(ptx, regs)
 
 
-@pytest.mark.parametrize("leader_follower,bulk", [(True, True), (False, True), (True, False), (False, False)])
-def test_sparse_crossover_hands_the_peer_its_rows(leader_follower, bulk, capfd):
-    """The crossover writes into the peer CTA's stage through the cluster, completing bytes on its
-    transaction barrier: bulk copies (the default) or st.async stores."""
-    from mla_cute.kernels.build import compile_sparse_decode
-    from mla_cute.schedules import SparseDecodeSchedule
+@pytest.mark.parametrize("halves", [True, False])
+def test_sparse_crossover_hands_the_peer_its_rows(halves, capfd):
+    """The crossover writes into the peer CTA's stage through the cluster with bulk copies, completing bytes
+    on its transaction barrier; with the producer halves (plans that are not small) and without (small
+    plans)."""
+    from mla_cute.kernels.build import compile_sparse
 
-    sched = SparseDecodeSchedule(crossover=True, leader_follower=leader_follower, peer_bulk_copy=bulk)
-    fn = compile_sparse_decode(2, 128, False, sched, options=OPTIONS)
-    ptx = fn.__ptx__
+    ptx = compile_sparse(_sparse_step(2, 128, producer_halves=halves), options=OPTIONS).__ptx__
     assert ptx.count("wgmma.mma_async") >= 40
     bulk_copies = ptx.count("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes")
     stores = ptx.count("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32")
-    if bulk:
-        # Two lanes of each producer warp copy its rows of a 64-column block (or their bias) to the peer's
-        # addresses (mapa) as soon as two blocks are stored (8 rows, or 16 with the producer halves that the
-        # default leader-follower build takes): four hand-overs of latent blocks and one of the RoPE block and
-        # the bias, six copy instructions in the code.
-        assert bulk_copies == 6 and stores == 0 and "mapa.shared::cluster" in ptx
-    else:
-        # Each thread stores its 2 rows into the peer: 9 x 16 bytes per row, plus the bias word.
-        assert stores >= 18 and bulk_copies == 0
+    # Two lanes of each producer warp copy its rows of a 64-column block (or their bias) to the peer's
+    # addresses (mapa) as soon as two blocks are stored (8 rows, or 16 with the producer halves): four
+    # hand-overs of latent blocks and one of the RoPE block and the bias, six copy instructions in the code.
+    assert bulk_copies == 6 and stores == 0 and "mapa.shared::cluster" in ptx
     assert "mbarrier.arrive.expect_tx" in ptx
     assert "mbarrier.arrive.shared::cluster" in ptx  # consumers release the peer's stage too
     assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
@@ -376,11 +381,12 @@ def test_sparse_producer_halves(capfd):
     """``producer_halves``: each half of the producer warpgroup gathers every other tile, 4 rows a thread, and
     each of its warps copies its 16 rows of a 64-column block (2 KiB) or their bias (64 bytes) to the peer; a
     stage's full barrier counts the 64 threads of one half."""
-    from mla_cute.kernels.build import compile_sparse_decode
-    from mla_cute.schedules import SparseDecodeSchedule
+    from mla_cute.kernels.build import compile_sparse
 
     # s_q = 4: a kernel no other test here builds, so ptxas reports on it.
-    ptx = compile_sparse_decode(4, 128, False, SparseDecodeSchedule(producer_halves=True), options=OPTIONS).__ptx__
+    step = _sparse_step(4, 128)
+    assert step.split.crossover and step.split.producer_halves, step.split
+    ptx = compile_sparse(step, options=OPTIONS).__ptx__
 
     def value(operand):  # an immediate, or the constant a register was set to
         if operand.isdigit():
@@ -401,43 +407,36 @@ def test_sparse_producer_halves(capfd):
     _check_register_split(ptx, regs)
 
 
-@pytest.mark.parametrize("leader_follower", [True, False])
 @pytest.mark.parametrize("crossover", [True, False])
-def test_sparse_operand_types(leader_follower, crossover, capfd):
-    """fp16 operands (the default): one conversion and one multiply an fp8 pair, fp16 MMAs for S's latent
-    k-blocks and P V, bf16 MMAs for S's RoPE k-blocks; Q's readers convert it behind a barrier of their own.
-    ``fp16_operands=False``: bf16 throughout and no conversion of Q."""
-    from mla_cute.kernels.build import compile_sparse_decode
-    from mla_cute.kernels.sparse_decode_fp8 import Q_CONVERTED
-    from mla_cute.schedules import SparseDecodeSchedule
+def test_sparse_operand_types(crossover, capfd):
+    """fp16 operands: one conversion and one multiply an fp8 pair, fp16 MMAs for S's latent k-blocks and
+    P V, bf16 MMAs for S's RoPE k-blocks; Q's readers (the leader's 128 threads) convert it behind a barrier
+    of their own."""
+    from mla_cute.kernels.barriers import SparseBarrier
+    from mla_cute.kernels.build import compile_sparse
 
-    for fp16 in (True, False):
-        sched = SparseDecodeSchedule(crossover=crossover, leader_follower=leader_follower, fp16_operands=fp16)
-        # s_q = 3: kernels no other test here builds, so ptxas reports on each (a cached kernel reports nothing).
-        ptx = compile_sparse_decode(3, 128, False, sched, options=OPTIONS).__ptx__
-        f16 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16", ptx))
-        bf16 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx))
-        converted = re.search(rf"bar\.sync\s+{Q_CONVERTED}, {128 if leader_follower else 256};", ptx) is not None
-        if fp16:
-            assert f16 > 0 and bf16 > 0 and f16 > 4 * bf16, (f16, bf16)
-            assert "cvt.rn.f16x2.e4m3x2" in ptx and "mul.f16x2" in ptx and converted
-        else:
-            assert f16 == 0 and bf16 > 0 and not converted
-            assert "mul.bf16x2" in ptx
-        err = capfd.readouterr().err
-        _assert_wgmma_not_serialized(err)
-        spills, regs = _ptxas_report(err)
-        assert spills and all(s == (0, 0, 0) for s in spills), f"stack frame / spills: {spills}"
+    # s_q = 3: kernels no other test here builds, so ptxas reports on each (a cached kernel reports nothing).
+    step = _sparse_step(3, 128, crossover=crossover, producer_halves=crossover)
+    ptx = compile_sparse(step, options=OPTIONS).__ptx__
+    f16 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16", ptx))
+    bf16 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx))
+    converted = re.search(rf"bar\.sync\s+{int(SparseBarrier.Q_CONVERTED)}, 128;", ptx) is not None
+    assert f16 > 0 and bf16 > 0 and f16 > 4 * bf16, (f16, bf16)
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "mul.f16x2" in ptx and converted
+    err = capfd.readouterr().err
+    _assert_wgmma_not_serialized(err)
+    spills, regs = _ptxas_report(err)
+    assert spills and all(s == (0, 0, 0) for s in spills), f"stack frame / spills: {spills}"
+    _check_register_split(ptx, regs)
 
 
 def test_sparse_decode_without_topk_length_loads_no_lengths():
     """Without topk_length every request attends to topk tokens: the kernel built for such calls takes
     None for the lengths, so the loads of a request's length (each role's, a request ahead) are gone."""
-    from mla_cute.kernels.build import compile_sparse_decode
-    from mla_cute.schedules import SparseDecodeSchedule
+    from mla_cute.kernels.build import compile_sparse
 
     loads = {}
     for given in (True, False):
-        fn = compile_sparse_decode(2, 128, False, SparseDecodeSchedule(), options=OPTIONS, has_topk_length=given)
+        fn = compile_sparse(_sparse_step(2, 128, has_topk_length=given), options=OPTIONS)
         loads[given] = len(re.findall(r"\bld\.global\b", fn.__ptx__))
     assert loads[False] < loads[True], loads

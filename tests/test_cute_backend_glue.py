@@ -1,7 +1,8 @@
 """The cute backend's host code on the CPU, with the compiled kernels replaced by recorders.
 
 The GPU tests cover the kernels; these check what the Python side hands them: the query-row
-view, FlashMLA's output shapes, the workspace, the scale, plan reuse and schedule rules.
+view, FlashMLA's output shapes, the workspace, the scale, plan reuse, the kernel configs it
+compiles and the schedule fields' rules.  (The resolvers' rules: test_resolve.py.)
 """
 
 from __future__ import annotations
@@ -18,30 +19,27 @@ pytestmark = pytest.mark.compile
 
 @pytest.fixture
 def recorder(monkeypatch):
+    """``compile_dense`` and ``compile_scheduler`` replaced: ``compiled`` holds the step configs in the order
+    they were asked for, ``schedulers`` the scheduler configs, ``scheduler`` one entry a scheduler run, and
+    ``steps`` / ``combine`` the arguments and the config's ``with_combine`` of each step run."""
     import mla_cute.kernels.build as build
 
-    calls = {"compile": 0, "steps": [], "scheduler": [], "combine": []}
+    calls = {"compiled": [], "steps": [], "schedulers": [], "scheduler": [], "combine": []}
 
-    def compile_dense_decode(dtype, s_q, h_q, h_kv, causal, page, schedule, options="", *, with_combine=False,
-                             fill=False):
-        calls["compile"] += 1
-        calls["static"] = (dtype, s_q, h_q, h_kv, causal, page, schedule)
-        calls.setdefault("fill", []).append(fill)
-        calls.setdefault("built", []).append((schedule.kv_evict_first, with_combine))
-        calls.setdefault("partials", []).append(schedule.partials_16bit)
-        calls.setdefault("schedules", []).append(schedule)
+    def compile_dense(step, options=""):
+        calls["compiled"].append(step)
 
-        def step(*args):
+        def run(*args):
             calls["steps"].append(args)
-            calls["combine"].append(with_combine)
+            calls["combine"].append(step.with_combine)
 
-        return step
+        return run
 
-    def compile_scheduler(fixed_cost, unsplit_slack=0, even_split_slack=0, fill_parts=0, fill_share=16, options=""):
-        policy = (fixed_cost, unsplit_slack, even_split_slack) + ((fill_parts, fill_share) if fill_parts else ())
-        return lambda seqlens, sched, splits, max_len: calls["scheduler"].append((*policy, sched.shape, splits.shape))
+    def compile_scheduler(config, options=""):
+        calls["schedulers"].append(config)
+        return lambda seqlens, sched, splits, max_len: calls["scheduler"].append((config, sched.shape, splits.shape))
 
-    monkeypatch.setattr(build, "compile_dense_decode", compile_dense_decode)
+    monkeypatch.setattr(build, "compile_dense", compile_dense)
     monkeypatch.setattr(build, "compile_scheduler", compile_scheduler)
     return calls
 
@@ -57,7 +55,8 @@ def _inputs(b=3, s_q=2, h_q=12, h_kv=2, page=128):
 def test_arguments_handed_to_the_step(recorder):
     from mla_cute.api import get_mla_metadata
     from mla_cute.backends import cute
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
+    from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, CombineConfig, DenseSplitConfig, DenseStepConfig,
+                                    SchedulerConfig)
 
     sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=5, split_fixed_cost=3)
     q, k_cache, block_table, seqlens = _inputs()
@@ -65,9 +64,14 @@ def test_arguments_handed_to_the_step(recorder):
     out, lse = cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, True, meta, True, sched)
     assert out.shape == (3, 2, 12, 512) and out.dtype == torch.bfloat16
     assert lse.shape == (3, 12, 2) and lse.dtype == torch.float32 and lse.is_contiguous()
-    # The host does not know these lengths here: the kernel for an unknown plan (normal loads).
-    assert recorder["static"] == (torch.bfloat16, 2, 12, 2, True, 128, sched.multicast_for_plan(None).for_plan(None))
-    assert recorder["scheduler"] == [(*sched.plan_policy(2 * 12 // 2), (5, 8), (4,))]
+    # The host does not know these lengths here: the step of an unknown plan (normal loads, the combine); six
+    # heads a KV head, one M tile: no cluster, the cross term first.
+    split = DenseSplitConfig("bfloat16", 2, 6, 2, True, 128, cluster_ctas=1, cross_term_first=True,
+                             evict_first=False)
+    assert recorder["compiled"] == [DenseStepConfig(split, CombineConfig("bfloat16", 6, 2, False, 4, 48), True)]
+    assert meta._state["dense"].config.step == recorder["compiled"][0]
+    assert recorder["schedulers"] == [SchedulerConfig(3, 4, 4)] and sched.plan_policy(2 * 12 // 2) == (3, 4, 4)
+    assert recorder["scheduler"] == [(SchedulerConfig(3, 4, 4), (5, 8), (4,))]
     (q_rows, k_arg, bt, sl, records, splits, out_arg, lse_arg, o_acc, lse_acc, scale_log2), = recorder["steps"]
     assert out_arg is out and lse_arg is lse and k_arg is k_cache and bt is block_table and sl is seqlens
     assert records is meta.tile_scheduler_metadata and splits is meta.num_splits
@@ -84,42 +88,55 @@ def test_arguments_handed_to_the_step(recorder):
 def test_plan_is_reused_and_keeps_its_schedule(recorder):
     from mla_cute.api import get_mla_metadata
     from mla_cute.backends import cute
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
 
     sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=4)
     q, k_cache, block_table, seqlens = _inputs(h_kv=1)
     meta = get_mla_metadata()[0]
     cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, True, sched, seqlens)
-    compiled = recorder["compile"]  # the step with the combine, and the split kernel alone (no split here)
+    # The step with the combine (for a capture), then the split kernel alone (no split here).
+    assert [step.with_combine for step in recorder["compiled"]] == [True, False]
+    # Three short requests: evict-first loads.
+    assert recorder["compiled"][1].split == dataclasses.replace(recorder["compiled"][0].split, evict_first=True)
     cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, False, sched)
-    assert compiled == 2 and recorder["compile"] == 2 and len(recorder["scheduler"]) == 1
+    assert len(recorder["compiled"]) == 2 and len(recorder["scheduler"]) == 1
     assert len(recorder["steps"]) == 2 and recorder["combine"] == [False, False]
     assert recorder["steps"][0][8] is recorder["steps"][1][8], "the split workspace is allocated once"
     with pytest.raises(ValueError, match="schedule"):
         cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, False,
-                          dataclasses.replace(PREFETCH_DENSE_SCHEDULE, num_sm_parts=4))
+                          dataclasses.replace(sched, split_fixed_cost=3))
 
 
 @pytest.mark.parametrize("known", [True, False])
 def test_idle_sm_fill_step_takes_both_record_tables(recorder, known):
-    """A plan of 4-CTA clusters (forced here) runs the fill's step, which takes the clusters' 30 records and the
-    fill's 3 as two views of the metadata's table; the step loaded first, for a plan the host does not know (a
-    CUDA graph capture), is the fill's too, so a capture loads nothing."""
+    """A plan of 4-CTA clusters (every plan the host knows, here) runs the fill's step, which takes the clusters'
+    30 records and the fill's 3 as two views of the metadata's table.  The step loaded first, for a plan the
+    host does not know (a CUDA graph capture), is of pairs over one table."""
     from mla_cute.api import get_mla_metadata
     from mla_cute.backends import cute
-    from mla_cute.schedules import DenseDecodeSchedule
+    from mla_cute.schedules import DenseDecodeSchedule, SchedulerConfig
 
-    sched = DenseDecodeSchedule(multicast_ctas=4)
+    sched = DenseDecodeSchedule(quad_multicast_tiles=0)
     q, k_cache, block_table, seqlens = _inputs(b=2, s_q=2, h_q=128, h_kv=1, page=64)
     meta = get_mla_metadata()[0]
     cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, True, meta, True, sched, seqlens if known else None)
-    assert recorder["fill"] == ([True, True] if known else [True])
-    assert recorder["scheduler"] == [(5, 16, 16, 3, 11, (33, 8), (3,))]
-    step_args = recorder["steps"][0]
-    clusters, fill, splits = step_args[4:7]
+    capture = recorder["compiled"][0]
+    assert (capture.split.cluster_ctas, capture.fill, capture.with_combine) == (2, False, True)
     table = meta.tile_scheduler_metadata
-    assert clusters.shape == (30, 8) and fill.shape == (3, 8) and splits is meta.num_splits
-    assert clusters.data_ptr() == table.data_ptr() and fill.data_ptr() == table[30:].data_ptr()
+    step_args = recorder["steps"][0]
+    if known:
+        (step,) = recorder["compiled"][1:]
+        # Two short requests: no split, evict-first loads.
+        assert (step.split.cluster_ctas, step.fill, step.with_combine, step.split.evict_first) == (4, True, False, True)
+        assert recorder["scheduler"] == [(SchedulerConfig(5, 16, 16, 3, 11), (33, 8), (3,))]
+        clusters, fill, splits = step_args[4:7]
+        assert clusters.shape == (30, 8) and fill.shape == (3, 8) and splits is meta.num_splits
+        assert clusters.data_ptr() == table.data_ptr() and fill.data_ptr() == table[30:].data_ptr()
+    else:
+        assert len(recorder["compiled"]) == 1
+        assert recorder["scheduler"] == [(SchedulerConfig(5, 16, 16), (33, 8), (3,))]
+        records, splits = step_args[4:6]
+        assert records is table and splits is meta.num_splits and len(step_args) == 11
 
 
 def test_h_kv_1_query_rows_are_a_view():
@@ -141,28 +158,30 @@ def test_unsupported_configurations_raise(page, fp8, match):
 
 @pytest.fixture
 def sparse_recorder(monkeypatch):
+    """``compile_sparse`` and ``compile_scheduler`` replaced: ``compiled`` holds the step configs asked for,
+    ``scheduler`` (config, lengths, records' shape, splits' shape) of each scheduler run."""
     import mla_cute.kernels.build as build
 
-    calls = {"compile": [], "steps": [], "scheduler": [], "combine": [], "topk_length": []}
+    calls = {"compiled": [], "steps": [], "schedulers": [], "scheduler": [], "combine": []}
 
-    def compile_sparse_decode(s_q, h_q, has_sink, schedule, options="", *, with_combine=False, has_topk_length=False):
-        calls["compile"].append((s_q, h_q, has_sink, schedule))
-        calls["topk_length"].append(has_topk_length)
+    def compile_sparse(step, options=""):
+        calls["compiled"].append(step)
 
-        def step(*args):
+        def run(*args):
             calls["steps"].append(args)
-            calls["combine"].append(with_combine)
-
-        return step
-
-    def compile_scheduler(fixed_cost, unsplit_slack=0, even_split_slack=0, fill_parts=0, fill_share=16, options=""):
-        def run(lengths, sched, splits, max_len):
-            calls["scheduler"].append(((fixed_cost, unsplit_slack, even_split_slack), lengths.clone(), sched.shape,
-                                       splits.shape))
+            calls["combine"].append(step.with_combine)
 
         return run
 
-    monkeypatch.setattr(build, "compile_sparse_decode", compile_sparse_decode)
+    def compile_scheduler(config, options=""):
+        calls["schedulers"].append(config)
+
+        def run(lengths, sched, splits, max_len):
+            calls["scheduler"].append((config, lengths.clone(), sched.shape, splits.shape))
+
+        return run
+
+    monkeypatch.setattr(build, "compile_sparse", compile_sparse)
     monkeypatch.setattr(build, "compile_scheduler", compile_scheduler)
     return calls
 
@@ -179,9 +198,10 @@ def _sparse_inputs(b=3, s_q=2, h_q=128, topk=128, page=64):
 def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     from mla_cute.api import get_mla_metadata
     from mla_cute.backends import cute
-    from mla_cute.schedules import SparseDecodeSchedule
+    from mla_cute.schedules import (CombineConfig, SchedulerConfig, SparseDecodeSchedule, SparseSplitConfig,
+                                    SparseStepConfig)
 
-    sched = SparseDecodeSchedule(num_sm_parts=7, split_fixed_cost=2, small_plan_tiles=0, partials_16bit=False)
+    sched = SparseDecodeSchedule(num_sm_parts=7, split_fixed_cost=2, small_plan_tiles=0)
     q, k_cache, indices = _sparse_inputs()
     topk_length = torch.tensor([0, 70, 500], dtype=torch.int32)
     sink = torch.zeros(128)
@@ -189,21 +209,27 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     out, lse = cute.sparse_decode(q, k_cache, indices, topk_length, sink, 0.25, meta, True, sched)
     assert out.shape == (3, 2, 128, 512) and out.dtype == torch.bfloat16
     assert lse.shape == (3, 128, 2) and lse.dtype == torch.float32
-    assert sparse_recorder["compile"] == [(2, 128, True, sched.for_plan(False))]
-    assert sparse_recorder["topk_length"] == [True]  # the kernel that reads the lengths
-    policy, lengths, sched_shape, splits_shape = sparse_recorder["scheduler"][0]
-    assert policy == sched.plan_policy(2 * 128) == (2, 0, 0) and sched_shape == (7, 8) and splits_shape == (4,)
+    # Two head tiles: the crossover with producer halves; the kernel that reads the lengths, with the combine.
+    split = SparseSplitConfig(2, 128, True, True, crossover=True, producer_halves=True, partials_16bit=False)
+    assert sparse_recorder["compiled"] == [SparseStepConfig(split, CombineConfig("bfloat16", 128, 2, True, 4, 48),
+                                                            True)]
+    config, lengths, sched_shape, splits_shape = sparse_recorder["scheduler"][0]
+    assert config == SchedulerConfig(*sched.plan_policy(2 * 128)) == SchedulerConfig(2, 0, 0)
+    assert sched_shape == (7, 8) and splits_shape == (4,)
     assert lengths.tolist() == [1, 70, 128]  # clamped to [1, topk] for the planner
     (qq, cache, idx, tl, records, splits, o, l, o_acc, lse_acc, sk, scale) = sparse_recorder["steps"][0]
     assert cache.dtype == torch.int32 and cache.shape == (4, 64, 164)  # 656-byte rows as words
     assert tl is topk_length and sk is not None and math.isclose(scale, 0.25 * math.log2(math.e))
     assert o_acc.shape == (3 + 7, 1, 2 * 128, 512) and lse_acc.shape == (3 + 7, 1, 2 * 128)
     # Without topk_length every request has topk tokens: the kernel built for that takes None and loads
-    # no length; attn_sink must then stay absent.
+    # no length; attn_sink must then stay absent.  Three requests of two tiles on seven parts split none: the
+    # step with the combine (for a capture), then the split kernel alone.
     meta = get_mla_metadata()[0]
     cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True, sched)
-    assert sparse_recorder["steps"][1][3] is None
-    assert not any(sparse_recorder["topk_length"][1:])
+    assert sparse_recorder["steps"][1][3] is None and sparse_recorder["combine"][1] is False
+    no_lengths = SparseSplitConfig(2, 128, False, False, crossover=True, producer_halves=True, partials_16bit=False)
+    assert [(s.split, s.with_combine) for s in sparse_recorder["compiled"][1:]] == [(no_lengths, True),
+                                                                                     (no_lengths, False)]
     assert sparse_recorder["scheduler"][1][1].tolist() == [128, 128, 128]  # the planner's lengths
     with pytest.raises(ValueError, match="attn_sink"):
         cute.sparse_decode(q, k_cache, indices, None, sink, 0.25, meta, False, sched)
@@ -244,16 +270,16 @@ def test_dense_even_plan_and_the_combine(recorder, lengths, parts, combine):
     """With ``unsplit_slack=0`` the even plan (at FlashMLA's payload and above) still decides the combine."""
     from mla_cute.api import get_mla_metadata
     from mla_cute.backends import cute
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, plan_facts
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SchedulerConfig, plan_facts
 
-    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts, unsplit_slack=0, kv_evict_first=False)
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts, unsplit_slack=0)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
     assert plan_facts(seqlens, parts, 64, *sched.plan_policy(2 * 12))[0] == combine
     assert plan_facts(seqlens, parts, 64, *dataclasses.replace(sched, even_split_slack=0).plan_policy(24))[0]
     q, k_cache, block_table, _ = _inputs(b=len(lengths), h_kv=1, page=64)
     cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, get_mla_metadata()[0], True, sched, seqlens)
     assert recorder["combine"] == [combine]
-    assert recorder["scheduler"][0][:3] == sched.plan_policy(24)
+    assert recorder["scheduler"][0][0] == SchedulerConfig(*sched.plan_policy(24))
 
 
 def test_sparse_combine_only_when_the_plan_splits(sparse_recorder):
@@ -269,6 +295,7 @@ def test_sparse_combine_only_when_the_plan_splits(sparse_recorder):
         sched = SparseDecodeSchedule(num_sm_parts=parts)
         cute.sparse_decode(q, k_cache, indices, topk_length, None, 0.25, get_mla_metadata()[0], True, sched)
         assert sparse_recorder["combine"][-1] == combine, (parts, topk_length)
+        assert sparse_recorder["compiled"][-1].with_combine == combine
 
 
 @pytest.mark.parametrize("lengths,parts,evict,combine", [
@@ -279,78 +306,82 @@ def test_sparse_combine_only_when_the_plan_splits(sparse_recorder):
     ([1024] * 128, 66, True, False),  # two whole requests a part: 32 tiles
 ])
 def test_evict_first_chosen_per_plan(recorder, lengths, parts, evict, combine):
-    """``kv_evict_first=None``: the plan's busiest part decides; without the lengths on the host (a CUDA graph
-    capture) the loads stay normal; an explicit value holds for every plan."""
+    """The plan's busiest part decides the loads; without the lengths on the host (a CUDA graph capture) they
+    stay normal; ``evict_first_tiles`` 0 or huge holds one choice for every plan."""
     from mla_cute.api import get_mla_metadata
     from mla_cute.backends import cute
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, plan_facts
 
-    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts, kv_evict_first=None, evict_first_tiles=48,
-                                partials_16bit=False)
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=parts, evict_first_tiles=48)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
     split, busiest = plan_facts(seqlens, parts, 64, *sched.plan_policy(2 * 12))
     assert (split, busiest <= 48) == (combine, evict)
     q, k_cache, block_table, _ = _inputs(b=len(lengths), h_kv=1, page=64)
     meta = get_mla_metadata()[0]
     cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, True, sched, seqlens)
-    assert recorder["built"][-1] == (evict, combine) and recorder["combine"] == [combine]
-    assert meta._state["dense"].kernel_schedule == dataclasses.replace(sched, kv_evict_first=evict, multicast_ctas=2)
-    assert meta._state["dense"].schedule is sched  # later calls compare the caller's schedule
-    # The kernel a capture needs (normal loads, with the combine) was loaded first in any case.
-    assert recorder["built"][0] == (False, True)
+    built = recorder["compiled"][-1]
+    assert (built.split.evict_first, built.with_combine) == (evict, combine) and recorder["combine"] == [combine]
+    plan = meta._state["dense"]
+    assert plan.config.step == built and plan.config.step.split.cluster_ctas == 1  # 24 heads a KV head
+    assert plan.schedule is sched  # later calls compare the caller's schedule
+    # The step a capture needs (normal loads, with the combine) was loaded first in any case.
+    first = recorder["compiled"][0]
+    assert first == plan.config.capture_step and (first.split.evict_first, first.with_combine) == (False, True)
+    assert recorder["compiled"][1:] == ([] if built == first else [built])
     cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, get_mla_metadata()[0], True, sched)
-    assert recorder["built"][-1] == (False, True) and recorder["combine"][-1]
-    for fixed in (False, True):
-        cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, get_mla_metadata()[0], True,
-                          dataclasses.replace(sched, kv_evict_first=fixed), seqlens)
-        assert recorder["built"][-1][0] == fixed
+    assert recorder["compiled"][-1] == first and recorder["combine"][-1]
+    for tiles, fixed in ((0, False), (10 ** 9, True)):
+        meta = get_mla_metadata()[0]
+        cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, True,
+                          dataclasses.replace(sched, evict_first_tiles=tiles), seqlens)
+        assert recorder["compiled"][-1] == meta._state["dense"].config.step
+        assert recorder["compiled"][-1].split.evict_first is fixed
 
 
 def test_precompile_loads_both_entries(recorder, sparse_recorder, monkeypatch):
-    """Whether a plan needs the combine is known only at its first call, so precompiling loads both."""
+    """Whether a plan needs the combine is known only at its first call, so precompiling loads both; and the
+    kernels of every plan the shape can resolve to."""
     from mla_cute.backends import cute
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SparseDecodeSchedule
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SchedulerConfig, SparseDecodeSchedule
 
-    cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64, dataclasses.replace(DEFAULT_DENSE_SCHEDULE,
-                                                                                    kv_evict_first=False,
-                                                                                    partials_16bit=False))
-    assert recorder["built"] == [(False, True), (False, False)]
-    # Evict-first loads chosen per plan (the default), and with them 16-bit partials where a schedule asks for
-    # them per plan: the kernels a plan can choose, each with and without the combine (16-bit partials only on
-    # plans short enough for evict-first loads).
-    cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64, DEFAULT_DENSE_SCHEDULE)
-    kinds = list(zip(recorder["built"][2:], recorder["partials"][2:]))
-    assert kinds == [((False, True), False), ((False, False), False), ((True, True), False), ((True, False), False)]
-    del recorder["built"][:], recorder["partials"][:]
-    cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64,
-                          dataclasses.replace(DEFAULT_DENSE_SCHEDULE, partials_16bit=None))
-    kinds = list(zip(recorder["built"], recorder["partials"]))
-    assert kinds == [((False, True), False), ((False, False), False), ((True, True), False), ((True, False), False),
-                     ((True, True), True), ((True, False), True)]
-    # s_q = 2, h_q = 128 (four M tiles): also the 4-CTA cluster kernels of long plans (normal loads, fp32 partials),
-    # as the idle-SM fill's steps, and the scheduler with its fill parts.
-    del recorder["built"][:], recorder["partials"][:], recorder["schedules"][:], recorder["fill"][:]
     import mla_cute.kernels.build as build
 
-    policies = []
-    monkeypatch.setattr(build, "compile_scheduler", lambda *policy: policies.append(policy))
+    schedulers = []
+    monkeypatch.setattr(build, "compile_scheduler", lambda config, options="": schedulers.append(config))
+    cute.precompile_dense(torch.bfloat16, 1, 128, 1, False, 64, DEFAULT_DENSE_SCHEDULE)
+    # Pairs (two M tiles), normal and evict-first loads, each with and without the combine.
+    kinds = [(s.split.cluster_ctas, s.split.evict_first, s.with_combine, s.fill) for s in recorder["compiled"]]
+    assert kinds == [(2, False, True, False), (2, False, False, False), (2, True, True, False), (2, True, False, False)]
+    assert {(s.split.dtype, s.split.s_q, s.split.group, s.split.causal, s.split.page) for s in recorder["compiled"]} \
+        == {("bfloat16", 1, 128, False, 64)}
+    assert schedulers == [SchedulerConfig(5, 8, 8)]
+    # s_q = 2, h_q = 128 (four M tiles): also the 4-CTA cluster steps of long plans (both loads) with the
+    # idle-SM fill, and the scheduler with its fill parts.
+    del recorder["compiled"][:], schedulers[:]
     cute.precompile_dense(torch.bfloat16, 2, 128, 1, True, 64, DEFAULT_DENSE_SCHEDULE)
-    assert len(recorder["built"]) == 6 and recorder["built"][-2:] == [(False, True), (False, False)]
-    assert [s.multicast_ctas for s in recorder["schedules"]] == [2] * 4 + [4] * 2
-    assert recorder["fill"] == [False] * 4 + [True] * 2
-    assert policies == [(5, 16, 16), (5, 16, 16, 3, 11)]
-    del recorder["fill"][:]
+    kinds = [(s.split.cluster_ctas, s.split.evict_first, s.with_combine, s.fill) for s in recorder["compiled"]]
+    assert kinds == [(2, False, True, False), (2, False, False, False), (2, True, True, False),
+                     (2, True, False, False), (4, False, True, True), (4, False, False, True),
+                     (4, True, True, True), (4, True, False, True)]
+    assert all(s.split.causal for s in recorder["compiled"])
+    assert schedulers == [SchedulerConfig(5, 16, 16), SchedulerConfig(5, 16, 16, 3, 11)]
+    # With num_sm_parts no fill: one scheduler for both cluster sizes.
+    del recorder["compiled"][:], schedulers[:]
     cute.precompile_dense(torch.bfloat16, 2, 128, 1, True, 64, dataclasses.replace(DEFAULT_DENSE_SCHEDULE,
-                                                                                   idle_sm_fill=False))
-    assert recorder["fill"] == [False] * 6
+                                                                                   num_sm_parts=30))
+    assert [s.fill for s in recorder["compiled"]] == [False] * 8 and schedulers == [SchedulerConfig(5, 16, 16)]
     cute.precompile_sparse(2, 128, False, SparseDecodeSchedule(small_plan_tiles=0))
-    assert [x[3].partials_16bit for x in sparse_recorder["compile"]] == [False, False]
-    # The small plans' kernels (16-bit partials) too.
+    assert [(s.split.partials_16bit, s.with_combine) for s in sparse_recorder["compiled"]] == [(False, True),
+                                                                                               (False, False)]
+    # The small plans' kernels (16-bit partials, the producer whole) too.
     cute.precompile_sparse(2, 128, False, SparseDecodeSchedule())
-    assert [x[3].partials_16bit for x in sparse_recorder["compile"][2:]] == [False, False, True, True]
+    assert [(s.split.partials_16bit, s.split.producer_halves) for s in sparse_recorder["compiled"][2:]] == [
+        (False, True), (False, True), (True, False), (True, False)]
     # With topk_length the lengths live on the device, so every plan keeps the combine: one entry a plan kind.
     cute.precompile_sparse(2, 128, False, SparseDecodeSchedule(), True)
-    assert len(sparse_recorder["compile"]) == 8 and sparse_recorder["topk_length"] == [False] * 6 + [True, True]
+    assert len(sparse_recorder["compiled"]) == 8
+    assert [s.split.has_topk_length for s in sparse_recorder["compiled"]] == [False] * 6 + [True, True]
+    assert all(s.with_combine for s in sparse_recorder["compiled"][6:])
 
 
 def test_sparse_cache_layout_the_kernel_cannot_read():
@@ -363,91 +394,59 @@ def test_sparse_cache_layout_the_kernel_cannot_read():
     cute.check_sparse_supported(k_cache)
 
 
-def test_sparse_schedule_rules():
+def test_schedule_kinds_and_use_schedule():
     import mla_cute
     from mla_cute.api import _resolve_schedule
     from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
 
-    with pytest.raises(ValueError, match="crossover"):
-        SparseDecodeSchedule(crossover=1).validate()
-    with pytest.raises(ValueError, match="leader_follower must be a bool"):
-        SparseDecodeSchedule(leader_follower="yes").validate()
-    with pytest.raises(ValueError, match="peer_bulk_copy must be a bool"):
-        SparseDecodeSchedule(peer_bulk_copy=0).validate()
-    with pytest.raises(ValueError, match="fp16_operands must be a bool"):
-        SparseDecodeSchedule(fp16_operands=1).validate()
-    with pytest.raises(ValueError, match="shared memory"):
-        SparseDecodeSchedule(kv_stages=3).validate()
     with pytest.raises(TypeError, match="SparseDecodeSchedule"):
         _resolve_schedule(DenseDecodeSchedule(), SparseDecodeSchedule)
-    x = SparseDecodeSchedule(crossover=True)
-    with mla_cute.use_schedule(x), mla_cute.use_schedule(DenseDecodeSchedule(seesaw=False, kv_stages=1)):
+    x = SparseDecodeSchedule(split_fixed_cost=3)
+    with mla_cute.use_schedule(x), mla_cute.use_schedule(DenseDecodeSchedule(split_fixed_cost=2)):
         assert _resolve_schedule(None, SparseDecodeSchedule) is x
-        assert _resolve_schedule(None, DenseDecodeSchedule).kv_stages == 1
+        assert _resolve_schedule(None, DenseDecodeSchedule).split_fixed_cost == 2
     assert _resolve_schedule(None, SparseDecodeSchedule) == SparseDecodeSchedule()
+    # A schedule is validated where a call takes it.
+    with pytest.raises(ValueError, match="split_fixed_cost must be an int >= 0"):
+        _resolve_schedule(SparseDecodeSchedule(split_fixed_cost=-1), SparseDecodeSchedule)
+    with pytest.raises(ValueError, match="idle_sm_fill_share"):
+        with mla_cute.use_schedule(DenseDecodeSchedule(idle_sm_fill_share=0)):
+            _resolve_schedule(None, DenseDecodeSchedule)
 
 
-@pytest.mark.parametrize("kind", ["dense", "sparse"])
-def test_partials_16bit_rule(kind):
-    """16-bit partials leave through the staged epilogue, which only the seesaw (dense) and the
-    leader-follower consumers (sparse) have; dense: fp32 by default (FlashMLA's precision), sparse: chosen per
-    plan by default; None (per plan) resolved to a bool before a build."""
-    from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
+def test_schedule_fields_are_user_intent():
+    """The kernels themselves are fixed: a schedule holds the planner's policy and the per-plan thresholds."""
+    from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, DEFAULT_SPARSE_SCHEDULE, DenseDecodeSchedule,
+                                    SparseDecodeSchedule)
 
-    cls, other = ((DenseDecodeSchedule, {"seesaw": False}) if kind == "dense"
-                  else (SparseDecodeSchedule, {"leader_follower": False}))
-    assert cls().partials_16bit is (False if kind == "dense" else None)
-    cls(partials_16bit=None, **other).validate()
-    cls(partials_16bit=True).validate()
-    cls(partials_16bit=False, **other).validate()
-    cls(**other).validate()
-    with pytest.raises(ValueError, match="partials_16bit needs"):
-        cls(partials_16bit=True, **other).validate()
-    for bad in (0, 1, "yes"):
-        with pytest.raises(ValueError, match="partials_16bit must be a bool"):
-            cls(partials_16bit=bad).validate()
-    assert cls(partials_16bit=False).kernel_key() != cls(partials_16bit=True).kernel_key()
-    for arg in ((8, None) if kind == "dense" else (True, False)):
-        assert cls(partials_16bit=None, **other).for_plan(arg).partials_16bit is False  # never without the epilogue
-    counts = "partials_16bit_tiles" if kind == "dense" else "small_plan_tiles"
-    for bad in (-1, True, 2.0):
-        with pytest.raises(ValueError, match=f"{counts} must be an int >= 0"):
-            cls(**{counts: bad}).validate()
+    assert DenseDecodeSchedule() == DEFAULT_DENSE_SCHEDULE and SparseDecodeSchedule() == DEFAULT_SPARSE_SCHEDULE
+    assert [f.name for f in dataclasses.fields(DenseDecodeSchedule)] == [
+        "num_sm_parts", "split_fixed_cost", "unsplit_slack", "even_split_slack", "evict_first_tiles",
+        "quad_multicast_tiles", "idle_sm_fill_share", "combine_chunked_batch", "combine_spread_partials"]
+    assert [f.name for f in dataclasses.fields(SparseDecodeSchedule)] == [
+        "num_sm_parts", "split_fixed_cost", "unsplit_slack", "even_split_slack", "small_plan_tiles",
+        "small_plan_fixed_cost", "combine_chunked_batch", "combine_spread_partials"]
+    DEFAULT_DENSE_SCHEDULE.validate()
+    DEFAULT_SPARSE_SCHEDULE.validate()
 
 
-@pytest.mark.parametrize("busiest,partials", [(None, False), (1, True), (32, True), (33, False), (200, False)])
-def test_dense_partials_chosen_per_plan(busiest, partials):
-    """``partials_16bit=None``: 16-bit where the host knows the plan and its busiest part reads at most
-    ``partials_16bit_tiles`` tiles; an explicit value (the default's False) holds for every plan."""
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
-
-    assert DEFAULT_DENSE_SCHEDULE.for_plan(busiest).partials_16bit is False
-    per_plan = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, partials_16bit=None)
-    assert per_plan.for_plan(busiest).partials_16bit is partials
-    for fixed in (False, True):
-        sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, partials_16bit=fixed)
-        assert sched.for_plan(busiest).partials_16bit is fixed
-
-
-def test_dense_plan_takes_the_partials_of_its_kernel(recorder):
-    """The workspace holds the dtype of the kernel the plan chose (16-bit partials per plan): 16-bit at b = 1,
-    128K (32 tiles a part), fp32 on a plan the host does not know (a capture's) and on a long one."""
+def test_dense_workspace_holds_fp32_partials(recorder):
+    """The dense split kernel writes fp32 partials (FlashMLA's precision) on every plan: short (b = 1, 128K, 32
+    tiles a part), long, and one the host does not know (a capture's)."""
     from mla_cute.api import get_mla_metadata
     from mla_cute.backends import cute
     from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
 
-    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=66, partials_16bit=None)
-    for lengths, dtype in (([131072], torch.bfloat16), ([131072] * 2, torch.float32)):
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=66)
+    for lengths, evict in (([131072], True), ([131072] * 2, True), ([1 << 20] * 2, False)):
         seqlens = torch.tensor(lengths, dtype=torch.int32)
         q, k_cache, block_table, _ = _inputs(b=len(lengths), h_kv=1, page=64)
-        meta = get_mla_metadata()[0]
-        cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, True, sched, seqlens)
-        plan = meta._state["dense"]
-        assert plan.o_accum.dtype == dtype and plan.kernel_schedule.partials_16bit is (dtype == torch.bfloat16)
-        assert recorder["partials"][-1] is (dtype == torch.bfloat16)
-        meta = get_mla_metadata()[0]
-        cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, True, sched)  # lengths not on the host
-        assert meta._state["dense"].o_accum.dtype == torch.float32
+        for host in (seqlens, None):
+            meta = get_mla_metadata()[0]
+            cute.dense_decode(q, k_cache, block_table, seqlens, 0.1, False, meta, True, sched, host)
+            plan = meta._state["dense"]
+            assert plan.o_accum.dtype == torch.float32 and plan.lse_accum.dtype == torch.float32
+            assert plan.config.step.split.evict_first is (evict and host is not None)
 
 
 @pytest.mark.parametrize("b,s_q,h_q,topk,parts,small", [
@@ -459,8 +458,8 @@ def test_dense_plan_takes_the_partials_of_its_kernel(recorder):
     (2, 1, 64, 2048, 132, False),  # one tile a part: nothing to gain
 ])
 def test_sparse_small_plan(sparse_recorder, b, s_q, h_q, topk, parts, small):
-    """A small plan (a shape fact) is planned with ``small_plan_fixed_cost`` and, with ``partials_16bit=None``,
-    writes 16-bit partials; the workspace holds them."""
+    """A small plan (a shape fact) is planned with ``small_plan_fixed_cost`` and writes 16-bit partials; the
+    workspace holds them."""
     from mla_cute.api import get_mla_metadata
     from mla_cute.backends import cute
     from mla_cute.schedules import SparseDecodeSchedule
@@ -471,19 +470,28 @@ def test_sparse_small_plan(sparse_recorder, b, s_q, h_q, topk, parts, small):
     meta = get_mla_metadata()[0]
     cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True, sched)
     plan = meta._state["sparse"]
-    assert plan.schedule is sched and plan.kernel_schedule == sched.for_plan(small)
-    assert sparse_recorder["compile"][-1][3].partials_16bit is small
-    assert sparse_recorder["scheduler"][-1][0][0] == (1 if small else 5)
+    assert plan.schedule is sched and plan.config.step == sparse_recorder["compiled"][-1]
+    assert sparse_recorder["compiled"][-1].split.partials_16bit is small
+    assert sparse_recorder["scheduler"][-1][0].fixed_cost == (1 if small else 5)
     assert plan.o_accum.dtype == (torch.bfloat16 if small else torch.float32)
-    # Explicit partials and small plans turned off.
-    for kwargs, fixed_cost, dtype in (({"partials_16bit": False}, 1 if small else 5, torch.float32),
-                                      ({"small_plan_tiles": 0}, 5, torch.float32),
-                                      ({"partials_16bit": True, "small_plan_tiles": 0}, 5, torch.bfloat16)):
+    # Another small fixed cost, and small plans turned off.
+    for kwargs, fixed_cost, dtype in (({"small_plan_fixed_cost": 2}, 2 if small else 5,
+                                       torch.bfloat16 if small else torch.float32),
+                                      ({"small_plan_tiles": 0}, 5, torch.float32)):
         meta = get_mla_metadata()[0]
         cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True,
                            SparseDecodeSchedule(num_sm_parts=parts, **kwargs))
-        assert sparse_recorder["scheduler"][-1][0][0] == fixed_cost
+        assert sparse_recorder["scheduler"][-1][0].fixed_cost == fixed_cost
         assert meta._state["sparse"].o_accum.dtype == dtype
+
+
+def _resolved_step(schedule):
+    """The step a schedule resolves to for a capture (no lengths on the host)."""
+    from mla_cute.schedules import DenseDecodeSchedule, resolve_dense, resolve_sparse
+
+    if isinstance(schedule, DenseDecodeSchedule):
+        return resolve_dense(schedule, dtype="bfloat16", s_q=1, h_q=128, h_kv=1, causal=False, page=64).capture_step
+    return resolve_sparse(schedule, b=4, s_q=1, h_q=64, topk=2048, has_sink=False, has_topk_length=True).capture_step
 
 
 @pytest.mark.parametrize("field", ["combine_chunked_batch", "combine_spread_partials"])
@@ -497,21 +505,9 @@ def test_combine_field_rules(kind, field):
     for bad in (-1, True, 4.0, "4", None):
         with pytest.raises(ValueError, match=f"{field} must be an int >= 0"):
             cls(**{field: bad}).validate()
-    assert cls().kernel_key() != cls(**{field: 0}).kernel_key()
-
-
-@pytest.mark.parametrize("kind", ["dense", "sparse"])
-def test_combine_pdl_rule(kind):
-    """The combine's programmatic dependent launch: a bool, on by default, part of the kernel key."""
-    from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
-
-    cls = DenseDecodeSchedule if kind == "dense" else SparseDecodeSchedule
-    assert cls().combine_pdl is True
-    cls(combine_pdl=False).validate()
-    for bad in (None, 1, "yes"):
-        with pytest.raises(ValueError, match="combine_pdl must be a bool"):
-            cls(combine_pdl=bad).validate()
-    assert cls().kernel_key() != cls(combine_pdl=False).kernel_key()
+    off = _resolved_step(cls(**{field: 0})).combine
+    assert off != _resolved_step(cls()).combine
+    assert getattr(off, field.replace("combine_", "")) == 0
 
 
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
@@ -534,249 +530,44 @@ def test_split_policy_rules(kind):
     assert [sched.plan_policy(rows)[1] for rows in (1, 16, 64, 65, 128, 256)] == [3, 3, 3, 6, 6, 12]
     assert cls(unsplit_slack=0).plan_policy(256)[1] == 0
     assert cls(split_fixed_cost=2, unsplit_slack=3, even_split_slack=1).plan_policy(130) == (2, 9, 3)
-    assert sched.kernel_key() == cls(unsplit_slack=0, even_split_slack=7).kernel_key()
+    assert _resolved_step(sched) == _resolved_step(cls(unsplit_slack=0, even_split_slack=7))
 
 
-def test_evict_first_per_plan_rules():
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE, DenseDecodeSchedule
+@pytest.mark.parametrize("kind,names", [("dense", ("evict_first_tiles", "quad_multicast_tiles")),
+                                        ("sparse", ("small_plan_tiles", "small_plan_fixed_cost"))])
+def test_threshold_field_rules(kind, names):
+    from mla_cute.schedules import DenseDecodeSchedule, SparseDecodeSchedule
 
-    assert DEFAULT_DENSE_SCHEDULE.kv_evict_first is None  # chosen per plan
-    assert SERIAL_DENSE_SCHEDULE.kv_evict_first is False  # the first schedule stays as it was measured
-    per_plan = DenseDecodeSchedule(kv_evict_first=None, evict_first_tiles=40)
-    per_plan.validate()
-    assert per_plan.for_plan(None).kv_evict_first is False
-    assert per_plan.for_plan(40).kv_evict_first is True and per_plan.for_plan(41).kv_evict_first is False
-    for fixed in (False, True):
-        assert DenseDecodeSchedule(kv_evict_first=fixed).for_plan(1).kv_evict_first is fixed
-    for bad in (-1, True, 8.0, None):
-        with pytest.raises(ValueError, match="evict_first_tiles must be an int >= 0"):
-            DenseDecodeSchedule(kv_evict_first=None, evict_first_tiles=bad).validate()
-    with pytest.raises(ValueError, match="kv_evict_first must be a bool"):
-        DenseDecodeSchedule(kv_evict_first=1).validate()
-
-
-def test_producer_halves_rule():
-    """Producer halves need the bulk hand-over and the leader-follower consumers; by default they are chosen for
-    plans that are not small, resolved to a bool before a build, and part of the kernel key."""
-    from mla_cute.schedules import SparseDecodeSchedule
-
-    assert SparseDecodeSchedule().producer_halves is None
-    assert SparseDecodeSchedule().for_plan(False).producer_halves is True
-    assert SparseDecodeSchedule().for_plan(True).producer_halves is False
-    for small in (False, True):
-        assert SparseDecodeSchedule(producer_halves=True).for_plan(small).producer_halves is True
-        assert SparseDecodeSchedule(producer_halves=False).for_plan(small).producer_halves is False
-        for other in ({"peer_bulk_copy": False}, {"leader_follower": False}):
-            SparseDecodeSchedule(**other).validate()  # None: never chosen without them
-            assert SparseDecodeSchedule(**other).for_plan(small).producer_halves is False
-    for other in ({"peer_bulk_copy": False}, {"leader_follower": False}):
-        with pytest.raises(ValueError, match="producer_halves needs"):
-            SparseDecodeSchedule(producer_halves=True, **other).validate()
-    for bad in (0, 1, "yes"):
-        with pytest.raises(ValueError, match="producer_halves must be a bool"):
-            SparseDecodeSchedule(producer_halves=bad).validate()
-    off, on = SparseDecodeSchedule(producer_halves=False), SparseDecodeSchedule(producer_halves=True)
-    assert off.kernel_key() != on.kernel_key()
-
-
-def test_sparse_consumer_split_is_a_schedule_field():
-    """The leader-follower consumer is the default; the serial one compiles to another kernel."""
-    from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, SERIAL_SPARSE_SCHEDULE, SparseDecodeSchedule
-
-    assert DEFAULT_SPARSE_SCHEDULE.leader_follower and DEFAULT_SPARSE_SCHEDULE.crossover
-    assert not SERIAL_SPARSE_SCHEDULE.leader_follower and SERIAL_SPARSE_SCHEDULE.crossover
-    assert DEFAULT_SPARSE_SCHEDULE.kernel_key() != SERIAL_SPARSE_SCHEDULE.kernel_key()
-    assert DEFAULT_SPARSE_SCHEDULE.peer_bulk_copy
-    assert SparseDecodeSchedule(peer_bulk_copy=False).kernel_key() != DEFAULT_SPARSE_SCHEDULE.kernel_key()
-    assert DEFAULT_SPARSE_SCHEDULE.fp16_operands
-    assert SparseDecodeSchedule(fp16_operands=False).kernel_key() != DEFAULT_SPARSE_SCHEDULE.kernel_key()
-    SparseDecodeSchedule(crossover=False, leader_follower=False).validate()
-
-
-def test_dense_schedule_rules():
-    """The seesaw is the default; the serial kernel's options are rejected on it, with the way out."""
-    import dataclasses
-
-    from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, SEESAW_DENSE_SCHEDULE, SERIAL_DENSE_SCHEDULE,
-                                    DenseDecodeSchedule)
-
-    assert DenseDecodeSchedule() == DEFAULT_DENSE_SCHEDULE == SEESAW_DENSE_SCHEDULE
-    assert DEFAULT_DENSE_SCHEDULE.seesaw and not SERIAL_DENSE_SCHEDULE.seesaw
-    assert DEFAULT_DENSE_SCHEDULE.kernel_key() != SERIAL_DENSE_SCHEDULE.kernel_key()
-    for bad, what in ((dict(kv_stages=3), "kv_stages == 2"), (dict(kv_stages=1), "kv_stages == 2"),
-                      (dict(qk_prefetch=True), "qk_prefetch")):
-        with pytest.raises(ValueError, match=what) as err:
-            DenseDecodeSchedule(**bad).validate()
-        assert "seesaw=False" in str(err.value)
-        if bad != dict(kv_stages=3):  # the serial kernel takes these
-            dataclasses.replace(SERIAL_DENSE_SCHEDULE, **bad).validate()
-    with pytest.raises(ValueError, match="shared memory"):
-        DenseDecodeSchedule(seesaw=False, kv_stages=3).validate()
-    with pytest.raises(ValueError, match="seesaw must be a bool"):
-        DenseDecodeSchedule(seesaw=1).validate()
-    # The cross-term-first order: with one M tile or tile multicast unless set; a seesaw option.
-    assert DEFAULT_DENSE_SCHEDULE.cross_term_first_for(1, False) and DEFAULT_DENSE_SCHEDULE.cross_term_first_for(2, True)
-    assert not DEFAULT_DENSE_SCHEDULE.cross_term_first_for(2, False)
-    for forced in (True, False):
-        sched = DenseDecodeSchedule(cross_term_first=forced)
-        sched.validate()
-        for m_tiles, multicast in ((1, False), (2, True), (4, False)):
-            assert sched.cross_term_first_for(m_tiles, multicast) is forced
-        assert sched.kernel_key() != DEFAULT_DENSE_SCHEDULE.kernel_key()
-    with pytest.raises(ValueError, match="cross_term_first must be a bool"):
-        DenseDecodeSchedule(cross_term_first=1).validate()
-    with pytest.raises(ValueError, match="seesaw=True"):
-        DenseDecodeSchedule(seesaw=False, cross_term_first=True).validate()
-    DenseDecodeSchedule(seesaw=False, cross_term_first=False).validate()
-    # Tile multicast: by default with 128 query heads a KV head (or a multiple); pairs M tiles that see
-    # the same tiles.
-    assert DEFAULT_DENSE_SCHEDULE.tile_multicast_for(2, 128, False) and DEFAULT_DENSE_SCHEDULE.tile_multicast_for(4, 128, True)
-    assert not DEFAULT_DENSE_SCHEDULE.tile_multicast_for(2, 64, False)
-    assert not DEFAULT_DENSE_SCHEDULE.tile_multicast_for(1, 64, False)
-    assert not DenseDecodeSchedule(tile_multicast=False).tile_multicast_for(2, 128, False)
-    paired = DenseDecodeSchedule(tile_multicast=True)
-    paired.validate()
-    assert paired.kernel_key() != DEFAULT_DENSE_SCHEDULE.kernel_key()
-    assert paired.tile_multicast_for(2, 128, True) and paired.tile_multicast_for(4, 256, True)
-    assert paired.tile_multicast_for(2, 64, False)  # s_q = 2 without causality: the same tiles
-    for m_tiles, group, causal in ((1, 64, False), (3, 64, False), (2, 64, True)):
-        with pytest.raises(ValueError, match="tile_multicast"):
-            paired.tile_multicast_for(m_tiles, group, causal)
-    with pytest.raises(ValueError, match="tile_multicast must be a bool"):
-        DenseDecodeSchedule(tile_multicast=1).validate()
-    with pytest.raises(ValueError, match="seesaw=True"):
-        DenseDecodeSchedule(seesaw=False, tile_multicast=True).validate()
-    # The load warpgroup: on with the seesaw unless set; a seesaw option.
-    assert DEFAULT_DENSE_SCHEDULE.load_warpgroup_on() and not SERIAL_DENSE_SCHEDULE.load_warpgroup_on()
-    assert DenseDecodeSchedule(load_warpgroup=True).kernel_key() == DEFAULT_DENSE_SCHEDULE.kernel_key()
-    own_warps = DenseDecodeSchedule(load_warpgroup=False)
-    own_warps.validate()
-    assert not own_warps.load_warpgroup_on() and own_warps.kernel_key() != DEFAULT_DENSE_SCHEDULE.kernel_key()
-    with pytest.raises(ValueError, match="load_warpgroup must be a bool"):
-        DenseDecodeSchedule(load_warpgroup=1).validate()
-    with pytest.raises(ValueError, match="seesaw=True"):
-        DenseDecodeSchedule(seesaw=False, load_warpgroup=True).validate()
-    DenseDecodeSchedule(seesaw=False, load_warpgroup=False).validate()
-    # Q, two 64 x 576 tiles, one P and the row buffers fit a Hopper CTA.
-    assert 225 * 1024 < SEESAW_DENSE_SCHEDULE.smem_bytes() <= 232448
-
-
-def test_quad_multicast_schedule_and_part_count():
-    """``multicast_ctas=4``: four M tiles a cluster where a KV head has a multiple of four (else pairs), only
-    with the load warpgroup; the plan then has at most as many parts as 4-CTA clusters run at once."""
-    from mla_cute.backend import HOPPER_CLUSTER_SLOTS, dense_num_parts
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
-
-    quad = DenseDecodeSchedule(multicast_ctas=4)
-    quad.validate()
-    assert quad.kernel_key() != DEFAULT_DENSE_SCHEDULE.kernel_key()
-    for bad in (1, 3, 8, 4.0, "4", True):
-        with pytest.raises(ValueError, match="multicast_ctas must be 2, 4 or None"):
-            DenseDecodeSchedule(multicast_ctas=bad).validate()
-    with pytest.raises(ValueError, match="multicast_ctas=4 needs the load warpgroup"):
-        DenseDecodeSchedule(multicast_ctas=4, load_warpgroup=False).validate()
-    # (m_tiles, group, causal) -> CTAs a cluster: default / quad.
-    cases = {(4, 128, True): (2, 4), (8, 128, True): (2, 4), (4, 256, False): (2, 4), (2, 128, False): (2, 2),
-             (6, 128, True): (2, 2), (4, 64, False): (1, 1), (1, 64, False): (1, 1)}
-    for (m_tiles, group, causal), expected in cases.items():
-        assert (DEFAULT_DENSE_SCHEDULE.cluster_ctas_for(m_tiles, group, causal),
-                quad.cluster_ctas_for(m_tiles, group, causal)) == expected
-    assert DenseDecodeSchedule(multicast_ctas=4, tile_multicast=False).cluster_ctas_for(4, 128, True) == 1
-    # 4-CTA clusters leave SMs idle: 30 clusters of four on an H200 against 33 parts of FlashMLA's rule.
-    cpu = torch.device("cpu")
-    assert HOPPER_CLUSTER_SLOTS[4] == 30
-    assert dense_num_parts(cpu, DEFAULT_DENSE_SCHEDULE, 2, 128, 1, True) == 33
-    assert dense_num_parts(cpu, quad, 2, 128, 1, True) == 30
-    assert dense_num_parts(cpu, quad, 4, 128, 1, True) == 15  # two clusters a part
-    assert dense_num_parts(cpu, quad, 2, 256, 2, True) == 15  # one cluster a KV head
-    assert dense_num_parts(cpu, quad, 1, 128, 1, False) == 66  # pairs
-    assert dense_num_parts(cpu, DenseDecodeSchedule(multicast_ctas=4, num_sm_parts=12), 2, 128, 1, True) == 12
-
+    cls = DenseDecodeSchedule if kind == "dense" else SparseDecodeSchedule
+    for name in names:
+        for good in (0, 1, 40, 10 ** 6):
+            cls(**{name: good}).validate()
+        for bad in (-1, True, 8.0, None, "8"):
+            with pytest.raises(ValueError, match=f"{name} must be an int >= 0"):
+                cls(**{name: bad}).validate()
+    if kind == "dense":
+        for good in (1, 11, 16):
+            DenseDecodeSchedule(idle_sm_fill_share=good).validate()
+        for bad in (0, 17, 11.0, True):
+            with pytest.raises(ValueError, match="idle_sm_fill_share must be an int from 1 to 16"):
+                DenseDecodeSchedule(idle_sm_fill_share=bad).validate()
 
 
 def test_cluster_slots_without_the_kernels(monkeypatch):
     """A GPU other than SM90 (the reference backend plans for it as for an H200) is not asked: the driver query
     loads an sm_90a kernel, which such a GPU cannot run."""
-    from mla_cute import backend
+    from mla_cute import device
+    from mla_cute.schedules import HOPPER
 
     def no_query(*args):
         raise AssertionError("the driver was asked")
 
-    monkeypatch.setattr(backend, "_query_cluster_slots", no_query)
-    monkeypatch.setattr(backend, "is_sm90", lambda device: False)
+    monkeypatch.setattr(device, "_query_cluster_slots", no_query)
+    monkeypatch.setattr(device, "is_sm90", lambda dev: False)
     gpu = torch.device("cuda", 0)
-    assert [backend.cluster_slots(gpu, c, 226 * 1024, 384) for c in (1, 2, 4)] == [132, 66, 30]
-
-def test_quad_multicast_chosen_per_plan():
-    """``multicast_ctas=None`` (the default): 4-CTA clusters where the plan over their parts gives the busiest
-    part at least ``quad_multicast_tiles`` tiles, pairs otherwise and for a plan the host does not know."""
-    from mla_cute.backend import dense_plan_schedule
-    from mla_cute.schedules import plan_facts
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
-
-    default = DEFAULT_DENSE_SCHEDULE
-    assert default.multicast_ctas is None and default.quad_multicast_tiles == 290
-    assert default.kernel_key() == DenseDecodeSchedule(multicast_ctas=2).kernel_key()
-    picks = {None: 2, 0: 2, 289: 2, 290: 4, 10_000: 4}
-    for busiest, ctas in picks.items():
-        assert default.multicast_for_plan(busiest).multicast_ctas == ctas
-    assert DenseDecodeSchedule(load_warpgroup=False).multicast_for_plan(10_000).multicast_ctas == 2
-    for fixed in (2, 4):
-        assert DenseDecodeSchedule(multicast_ctas=fixed).multicast_for_plan(0).multicast_ctas == fixed
-    with pytest.raises(ValueError, match="quad_multicast_tiles must be an int >= 0"):
-        DenseDecodeSchedule(quad_multicast_tiles=-1).validate()
-    cpu = torch.device("cpu")
-
-    def pick(s_q, h_q, lengths, schedule=default):
-        plan = dense_plan_schedule(cpu, schedule, s_q, h_q, 1, s_q > 1, lengths)
-        # The facts are those of the plan chosen (its parts, fill parts included), for the kernel's other
-        # per-plan choices.
-        assert plan.policy[:3] == schedule.plan_policy(s_q * h_q)
-        assert plan.facts == (None if lengths is None else plan_facts(lengths, plan.parts, 64, *plan.policy))
-        return plan.schedule.multicast_ctas, plan.parts, plan.fill_parts
-
-    # b = 128, s_q = 2: 8K gives a part 546 tiles over 30 clusters (and three fill parts), 4608 307, 4K 273.
-    assert pick(2, 128, torch.full((128,), 8192)) == (4, 33, 3)
-    assert pick(2, 128, torch.full((128,), 8192), dataclasses.replace(default, idle_sm_fill=False)) == (4, 30, 0)
-    assert pick(2, 128, torch.full((128,), 4608)) == (4, 33, 3)
-    assert pick(2, 128, torch.full((128,), 4096)) == (2, 33, 0)
-    assert pick(2, 128, None) == (2, 33, 0)
-    assert pick(1, 128, torch.full((128,), 32768)) == (2, 66, 0)  # two M tiles: pairs only
-    assert pick(2, 64, torch.full((128,), 32768)) == (2, 66, 0)  # no multicast at 64 heads
-    assert pick(2, 128, torch.full((128,), 8192), dataclasses.replace(default, quad_multicast_tiles=600)) == (2, 33, 0)
-    # Forced 4-CTA clusters take the fill without the lengths too (the scheduler kernel plans it).
-    assert pick(2, 128, None, DenseDecodeSchedule(multicast_ctas=4)) == (4, 33, 3)
-
-
-def test_idle_sm_fill_parts(monkeypatch):
-    """``dense_fill_parts``: pairs on the SMs a plan of 4-CTA clusters leaves, a part being a pair for each KV
-    head and two M tiles; none without 4-CTA clusters, with ``num_sm_parts``, ``idle_sm_fill=False``, or where
-    the device holds fewer pairs than half its SMs."""
-    from mla_cute import backend
-    from mla_cute.backend import dense_fill_parts, dense_plan_schedule
-    from mla_cute.schedules import DenseDecodeSchedule
-
-    cpu = torch.device("cpu")
-    quad = DenseDecodeSchedule(multicast_ctas=4)
-    assert dense_fill_parts(cpu, quad, 2, 128, 1, True, 30) == 3  # 12 idle SMs, 4 a part
-    assert dense_fill_parts(cpu, quad, 2, 128, 1, True, 29) == 4
-    assert dense_fill_parts(cpu, quad, 4, 128, 1, True, 15) == 1  # 8 M tiles: two clusters a part, 8 SMs a fill part
-    assert dense_fill_parts(cpu, quad, 1, 256, 1, False, 30) == 3
-    assert dense_fill_parts(cpu, quad, 2, 256, 2, True, 15) == 1
-    assert dense_fill_parts(cpu, DenseDecodeSchedule(), 2, 128, 1, True, 33) == 0  # pairs
-    assert dense_fill_parts(cpu, quad, 1, 128, 1, False, 66) == 0  # two M tiles: pairs
-    assert dense_fill_parts(cpu, dataclasses.replace(quad, idle_sm_fill=False), 2, 128, 1, True, 30) == 0
-    assert dense_fill_parts(cpu, dataclasses.replace(quad, num_sm_parts=30), 2, 128, 1, True, 30) == 0
-    plan = dense_plan_schedule(cpu, dataclasses.replace(quad, idle_sm_fill_share=9), 2, 128, 1, True)
-    assert (plan.parts, plan.fill_parts, plan.policy) == (33, 3, (5, 16, 16, 3, 9))
-    # A GPC of an odd SM count: the driver counts fewer pairs than half the SMs.
-    monkeypatch.setattr(backend, "cluster_slots", lambda device, ctas, smem, threads: {2: 65, 4: 30}[ctas])
-    assert dense_fill_parts(cpu, quad, 2, 128, 1, True, 30) == 0
-    for bad in (0, 17, 11.0, True):
-        with pytest.raises(ValueError, match="idle_sm_fill_share must be an int from 1 to 16"):
-            DenseDecodeSchedule(idle_sm_fill_share=bad).validate()
-    with pytest.raises(ValueError, match="idle_sm_fill must be a bool"):
-        DenseDecodeSchedule(idle_sm_fill=1).validate()
+    assert [device.cluster_slots(gpu, c, 226 * 1024, 384) for c in (1, 2, 4)] == [132, 66, 30]
+    assert device.device_facts(gpu) == HOPPER and device.device_facts(torch.device("cpu")) == HOPPER
+    assert device.num_sms(torch.device("cpu")) == 132
 
 
 def test_precompile_sparse_configs(monkeypatch):
@@ -786,7 +577,7 @@ def test_precompile_sparse_configs(monkeypatch):
 
     seen = []
     monkeypatch.setattr(cute, "precompile_sparse", lambda *a: seen.append(a))
-    x = SparseDecodeSchedule(crossover=True)
+    x = SparseDecodeSchedule(split_fixed_cost=3)
     assert mla_cute.precompile([dict(sparse=True, s_q=2, h_q=128, attn_sink=True)], schedule=x) == 1
     assert seen == [(2, 128, True, x, False)]
     assert mla_cute.precompile([dict(sparse=True, s_q=1, h_q=64, topk_length=True)], schedule=x) == 1
@@ -930,14 +721,15 @@ def test_replay_never_hides_an_error(api_on_cute, bad, error, match):
 def test_replay_sees_lengths_written_in_place_and_other_schedules(api_on_cute):
     import mla_cute
     from mla_cute.api import get_mla_metadata
-    from mla_cute.schedules import SERIAL_DENSE_SCHEDULE
+    from mla_cute.schedules import DenseDecodeSchedule
 
+    other = DenseDecodeSchedule(split_fixed_cost=3)
     q, k_cache, block_table, seqlens = _inputs(h_kv=1)
     meta = get_mla_metadata()[0]
     _call(q, k_cache, block_table, seqlens, meta)
     with pytest.raises(ValueError, match="schedule"):
-        _call(q, k_cache, block_table, seqlens, meta, schedule=SERIAL_DENSE_SCHEDULE)
-    with mla_cute.use_schedule(SERIAL_DENSE_SCHEDULE), pytest.raises(ValueError, match="schedule"):
+        _call(q, k_cache, block_table, seqlens, meta, schedule=other)
+    with mla_cute.use_schedule(other), pytest.raises(ValueError, match="schedule"):
         _call(q, k_cache, block_table, seqlens, meta)
     seqlens[0] += 1
     with pytest.raises(ValueError, match="cache_seqlens/topk_length values"):
@@ -1057,15 +849,16 @@ def test_sparse_replay_never_hides_an_error(sparse_api_on_cute, bad, error, matc
 def test_sparse_replay_sees_lengths_written_in_place_schedules_and_the_backend(sparse_api_on_cute, monkeypatch):
     import mla_cute
     from mla_cute.api import get_mla_metadata
-    from mla_cute.schedules import SERIAL_SPARSE_SCHEDULE
+    from mla_cute.schedules import SparseDecodeSchedule
 
+    other = SparseDecodeSchedule(split_fixed_cost=3)
     q, k_cache, indices = _sparse_inputs()
     lengths = torch.tensor([0, 70, 128], dtype=torch.int32)
     meta = get_mla_metadata()[0]
     _sparse_call(q, k_cache, indices, meta, topk_length=lengths)
     with pytest.raises(ValueError, match="schedule"):
-        _sparse_call(q, k_cache, indices, meta, topk_length=lengths, schedule=SERIAL_SPARSE_SCHEDULE)
-    with mla_cute.use_schedule(SERIAL_SPARSE_SCHEDULE), pytest.raises(ValueError, match="schedule"):
+        _sparse_call(q, k_cache, indices, meta, topk_length=lengths, schedule=other)
+    with mla_cute.use_schedule(other), pytest.raises(ValueError, match="schedule"):
         _sparse_call(q, k_cache, indices, meta, topk_length=lengths)
     monkeypatch.setenv("MLA_CUTE_BACKEND", "reference")
     steps = len(sparse_api_on_cute["steps"])

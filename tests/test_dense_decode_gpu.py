@@ -39,41 +39,41 @@ def run_and_check(case, s_q, causal, *, reuse=1, magnitude_tol=False):
 
 
 @pytest.fixture(autouse=True)
-def _dense_schedule():
-    """MLA_CUTE_DENSE_SCHEDULE=<a name of ``_schedules``> runs every test here under that schedule."""
-    name = os.environ.get("MLA_CUTE_DENSE_SCHEDULE")
+def _dense_variant():
+    """MLA_CUTE_DENSE_VARIANT=<a name of ``_variants``> runs every test here with that kernel variant (tests that
+    check which kernel the resolver chose then fail: they name what they expected)."""
+    name = os.environ.get("MLA_CUTE_DENSE_VARIANT")
     if not name:
         yield
         return
-    import mla_cute
+    from mla_cute.schedules import experiment
 
-    with mla_cute.use_schedule(_schedules()[name]):
+    with experiment(_variants()[name]):
         yield
 
 
-def _schedules():
-    from mla_cute import schedules
+def _variants():
+    """Kernel variants that the resolver picks for other shapes or plans, forced on every call: rewrites of the
+    dense split config it returns (``mla_cute.schedules.experiment``), each leaving a config it made unchanged."""
+    replace = dataclasses.replace
+    return {
+        # the serial baseline (one CTA a cluster)
+        "serial": lambda c: replace(c, kernel="serial", cluster_ctas=1, cross_term_first=False),
+        # the seesaw's two step orders on every M tile count (the resolver picks one by the count and cluster)
+        "cross_first": lambda c: replace(c, cross_term_first=True),
+        "cross_last": lambda c: replace(c, cross_term_first=False),
+        # no tile multicast on the h_q = 128 kernels (the resolver pairs them)
+        "no_multicast": lambda c: replace(c, cluster_ctas=1, cross_term_first=c.m_tiles == 1),
+        # evict-first loads on every plan, and normal loads on every plan (the resolver chooses per plan, and
+        # short plans take evict-first)
+        "evict_first": lambda c: replace(c, evict_first=True),
+        "normal_loads": lambda c: replace(c, evict_first=False),
+    }
 
-    seesaw = schedules.SEESAW_DENSE_SCHEDULE
-    return {"serial": schedules.SERIAL_DENSE_SCHEDULE, "seesaw": seesaw,
-            "prefetch": schedules.PREFETCH_DENSE_SCHEDULE,
-            # the seesaw's two step orders on every M tile count (the default picks one by the count)
-            "seesaw_cross_first": dataclasses.replace(seesaw, cross_term_first=True),
-            "seesaw_cross_last": dataclasses.replace(seesaw, cross_term_first=False),
-            # tile multicast forced on (every pairable kernel) and off (the h_q = 128 kernels without it)
-            "seesaw_multicast": dataclasses.replace(seesaw, tile_multicast=True),
-            "seesaw_no_multicast": dataclasses.replace(seesaw, tile_multicast=False),
-            # four M tiles a cluster where a KV head has a multiple of four (else pairs)
-            "seesaw_quad_multicast": dataclasses.replace(seesaw, tile_multicast=True, multicast_ctas=4),
-            "seesaw_quad_no_fill": dataclasses.replace(seesaw, tile_multicast=True, multicast_ctas=4, idle_sm_fill=False),
-            # no load warpgroup (the freeing warp refills) in both step orders, and with tile multicast forced on
-            "seesaw_no_loader": dataclasses.replace(seesaw, load_warpgroup=False),
-            "seesaw_no_loader_cross_last": dataclasses.replace(seesaw, load_warpgroup=False, cross_term_first=False),
-            "seesaw_no_loader_multicast": dataclasses.replace(seesaw, load_warpgroup=False, tile_multicast=True),
-            # evict-first loads on every plan, and normal loads on every plan (the default chooses per plan,
-            # and these short plans take evict-first)
-            "seesaw_evict_first": dataclasses.replace(seesaw, kv_evict_first=True),
-            "seesaw_normal_loads": dataclasses.replace(seesaw, kv_evict_first=False)}
+
+def dense_split(meta):
+    """The split config of the kernel a metadata object's dense plan runs."""
+    return meta._state["dense"].config.step.split
 
 
 # Lengths that put the last tile of a request at every position of a tile pair (0-5 tiles,
@@ -88,67 +88,87 @@ SCHEDULE_CASES = [
 ]
 
 
-def check_tile_positions(name, dtype, s_q, h_q, h_kv, causal, seed):
-    """The requests of ``PAIR_LENGTHS`` (a last tile at every position of a pair, and splits) with schedule
-    ``name`` of ``_schedules()`` (None: the default), against the reference."""
+def check_tile_positions(name, dtype, s_q, h_q, h_kv, causal, seed, schedule=None):
+    """The requests of ``PAIR_LENGTHS`` (a last tile at every position of a pair, and splits) with kernel
+    variant ``name`` of ``_variants()`` (None: the resolver's kernel) and ``schedule`` (None: the default),
+    against the reference; returns the split config the calls ran."""
     import contextlib
 
     import mla_cute
+    from mla_cute.schedules import experiment
 
     case = make_dense_case(len(PAIR_LENGTHS), s_q, 0, h_q, h_kv, lengths=PAIR_LENGTHS, dtype=dtype,
                            gen=torch.Generator().manual_seed(seed))
-    with mla_cute.use_schedule(_schedules()[name]) if name else contextlib.nullcontext():
-        run_and_check(case, s_q, causal, reuse=2)
+    rewrite = _variants()[name] if name else None
+    with contextlib.ExitStack() as stack:
+        if rewrite:
+            stack.enter_context(experiment(rewrite))
+        if schedule:
+            stack.enter_context(mla_cute.use_schedule(schedule))
+        split = dense_split(run_and_check(case, s_q, causal, reuse=2))
+    if rewrite:
+        assert rewrite(split) == split, f"variant {name} did not reach the kernel: {split}"
+    return split
 
 
-TILE_POSITION_SCHEDULES = ["serial", "seesaw", "seesaw_cross_first", "seesaw_cross_last", "seesaw_no_multicast",
-                           "seesaw_no_loader", "seesaw_no_loader_cross_last", "seesaw_evict_first",
-                           "seesaw_normal_loads"]
+TILE_POSITION_VARIANTS = [None, "serial", "cross_first", "cross_last", "no_multicast", "evict_first", "normal_loads"]
 
 
-@pytest.mark.parametrize("name", TILE_POSITION_SCHEDULES)
+@pytest.mark.parametrize("name", TILE_POSITION_VARIANTS)
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", SCHEDULE_CASES)
-def test_schedule_tile_positions(name, dtype, s_q, h_q, h_kv, causal):
+def test_variant_tile_positions(name, dtype, s_q, h_q, h_kv, causal):
     check_tile_positions(name, dtype, s_q, h_q, h_kv, causal, s_q * 100 + h_q)
 
 
-# The kernels that can pair M tiles in a 2-CTA cluster (an even number of M tiles a KV head; causal:
-# 128 query heads a KV head per position).
+# The kernels whose M tiles the resolver pairs in 2-CTA clusters (128 query heads a KV head, two M tiles that
+# see the same KV tiles); these short plans take pairs, not 4-CTA clusters.
 MULTICAST_CASES = [
     (torch.bfloat16, 1, 128, 1, False),
     (torch.bfloat16, 2, 128, 1, True),
     (torch.float16, 1, 256, 2, False),
-    (torch.bfloat16, 2, 64, 1, False),
 ]
 
 
-@pytest.mark.parametrize("name", ["seesaw_multicast", "seesaw_no_loader_multicast"])
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", MULTICAST_CASES)
-def test_tile_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal, name):
-    check_tile_positions(name, dtype, s_q, h_q, h_kv, causal, s_q * 100 + h_q + 7)
+def test_tile_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal):
+    split = check_tile_positions(None, dtype, s_q, h_q, h_kv, causal, s_q * 100 + h_q + 7)
+    assert split.cluster_ctas == 2 and split.cross_term_first, split
 
 
 # Four M tiles a cluster: one or two query positions a cluster (causal: the cluster's rows end up to s_q - 1
-# keys apart), two clusters a KV head, two KV heads; and kernels whose M tiles only pair.
+# keys apart), two clusters a KV head, two KV heads; and a kernel whose M tiles only pair (six M tiles).
 QUAD_MULTICAST_CASES = [
     (torch.bfloat16, 2, 128, 1, True),
     (torch.bfloat16, 4, 128, 1, True),
     (torch.float16, 1, 256, 1, False),
     (torch.bfloat16, 2, 256, 2, True),
     (torch.bfloat16, 3, 128, 1, True),
-    (torch.bfloat16, 2, 64, 1, False),
 ]
+
+
+def _quad_expected(s_q, h_q, h_kv) -> int:
+    return 4 if (s_q * h_q // h_kv) % 256 == 0 else 2
 
 
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", QUAD_MULTICAST_CASES)
 def test_quad_multicast_tile_positions(dtype, s_q, h_q, h_kv, causal):
-    """With the idle-SM fill (the default with 4-CTA clusters): the last parts run as pairs."""
-    check_tile_positions("seesaw_quad_multicast", dtype, s_q, h_q, h_kv, causal, s_q * 100 + h_q + 11)
+    """A schedule that takes 4-CTA clusters on every plan the host knows (``quad_multicast_tiles=0``): with the
+    idle-SM fill, the last parts run as pairs (an H200's pairs tile its SMs: 30 clusters leave 12 SMs)."""
+    from mla_cute.schedules import DenseDecodeSchedule
+
+    split = check_tile_positions(None, dtype, s_q, h_q, h_kv, causal, s_q * 100 + h_q + 11,
+                                 schedule=DenseDecodeSchedule(quad_multicast_tiles=0))
+    assert split.cluster_ctas == _quad_expected(s_q, h_q, h_kv), split
 
 
 @pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", QUAD_MULTICAST_CASES[:2] + QUAD_MULTICAST_CASES[3:4])
 def test_quad_multicast_without_fill_tile_positions(dtype, s_q, h_q, h_kv, causal):
-    check_tile_positions("seesaw_quad_no_fill", dtype, s_q, h_q, h_kv, causal, s_q * 100 + h_q + 13)
+    """4-CTA clusters on a part count the schedule sets (which turns the idle-SM fill off)."""
+    from mla_cute.schedules import DenseDecodeSchedule
+
+    split = check_tile_positions(None, dtype, s_q, h_q, h_kv, causal, s_q * 100 + h_q + 13,
+                                 schedule=DenseDecodeSchedule(quad_multicast_tiles=0, num_sm_parts=12))
+    assert split.cluster_ctas == 4, split
 
 
 @pytest.mark.parametrize("s_k,quad", [(16384, True), (4096, False)])
@@ -158,33 +178,43 @@ def test_quad_multicast_chosen_per_plan(s_k, quad):
     case = make_dense_case(64, 2, s_k, 128, 1, varlen=True, gen=torch.Generator().manual_seed(s_k))
     meta = run_and_check(case, 2, True)
     plan = meta._state["dense"]
-    assert plan.kernel_schedule.multicast_ctas == (4 if quad else 2)
-    assert plan.schedule.multicast_ctas is None
+    assert dense_split(meta).cluster_ctas == (4 if quad else 2)
+    # For a plan the host does not know (a CUDA graph captured later) the pairs' kernel is loaded too.
+    assert plan.config.capture_step.split.cluster_ctas == 2
     # 4-CTA clusters come with the idle-SM fill (on an H200: 30 clusters, the last three parts as pairs).
     assert len(plan.records) == (2 if quad else 1)
 
 
 def test_cluster_slots_on_the_device():
-    """The driver's count of co-resident clusters of whole-SM CTAs: every SM for single CTAs and pairs on a
-    Hopper part, at most a quarter of them for 4-CTA clusters; a quad plan's parts all fit at once."""
-    from mla_cute.backend import cluster_slots, dense_num_parts, num_sms
-    from mla_cute.schedules import DenseDecodeSchedule
+    """The driver's count of co-resident clusters of the dense kernel's CTAs (whole SMs): every SM for single
+    CTAs and pairs on a Hopper part, at most a quarter of them for 4-CTA clusters; the device facts the
+    resolver plans with are those counts, and a 4-CTA plan's parts all fit at once."""
+    from mla_cute.device import cluster_slots, device_facts, num_sms
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, resolve_dense
+    from mla_cute.schedules.resolve import DENSE_SMEM_BYTES, DENSE_THREADS
 
     dev = torch.device("cuda")
-    smem = DenseDecodeSchedule().smem_bytes()
     sms = num_sms(dev)
-    assert cluster_slots(dev, 1, smem, 384) == sms
-    assert cluster_slots(dev, 2, smem, 384) == sms // 2
-    quads = cluster_slots(dev, 4, smem, 384)
+    assert sms == torch.cuda.get_device_properties(dev).multi_processor_count
+    assert cluster_slots(dev, 1, DENSE_SMEM_BYTES, DENSE_THREADS) == sms
+    assert cluster_slots(dev, 2, DENSE_SMEM_BYTES, DENSE_THREADS) == sms // 2
+    quads = cluster_slots(dev, 4, DENSE_SMEM_BYTES, DENSE_THREADS)
     assert 1 <= quads <= sms // 4
-    assert dense_num_parts(dev, DenseDecodeSchedule(multicast_ctas=4), 2, 128, 1, True) <= quads
+    facts = device_facts(dev)
+    assert (facts.num_sms, facts.pair_clusters, facts.quad_clusters) == (sms, sms // 2, quads)
+    call = resolve_dense(DEFAULT_DENSE_SCHEDULE, dtype="bfloat16", s_q=2, h_q=128, h_kv=1, causal=True, page=64,
+                         device=facts, host_lengths=torch.full((64,), 16384))
+    assert call.step.split.cluster_ctas == 4
+    assert call.parts - call.fill_parts <= quads
 
 
 @pytest.mark.parametrize("s_q,causal", [(1, False), (2, True)])
 def test_two_multicast_pairs_per_kv_head(s_q, causal):
     """256 query heads on one KV head: the default pairs M tiles 0-1 and 2-3 (and, at s_q = 2, 4-5 and 6-7)
-    into 2-CTA clusters, each pair with its own tiles and hand-backs, the cross term first."""
-    check_tile_positions(None, torch.bfloat16, s_q, 256, 1, causal, s_q * 100 + 256)
+    into 2-CTA clusters, each pair with its own tiles and hand-backs, the cross term first (a plan this short
+    takes pairs, not 4-CTA clusters)."""
+    split = check_tile_positions(None, torch.bfloat16, s_q, 256, 1, causal, s_q * 100 + 256)
+    assert split.cluster_ctas == 2 and split.cross_term_first, split
 
 
 def _grid():
@@ -241,7 +271,7 @@ def test_gpu_scheduler_matches_planner(fixed_cost, slack, even, fill):
     lengths, with and without the searches for a plan of whole requests (``unsplit_slack``) and of even
     pieces (``even_split_slack``), and with fill parts (``fill``: their count and share)."""
     from mla_cute.kernels.build import compile_scheduler
-    from mla_cute.schedules import plan_has_split, plan_splits
+    from mla_cute.schedules import SchedulerConfig, plan_has_split, plan_splits
 
     rng = random.Random(fixed_cost * 100 + slack + 10000 * even)
     cases = [([4096] * 128, 33), ([8192] * 128, 33), ([8192] * 128, 66), ([16384] * 128, 66), ([131072], 66),
@@ -251,7 +281,7 @@ def test_gpu_scheduler_matches_planner(fixed_cost, slack, even, fill):
         n = rng.choice([64, 700, 4096, 20000])
         lens = [n] * b if rng.random() < 0.3 else [rng.randint(0, n) for _ in range(b)]
         cases.append((lens, rng.choice([1, 2, 7, 33, 66, 132])))
-    scheduler = compile_scheduler(fixed_cost, slack, even, *fill)
+    scheduler = compile_scheduler(SchedulerConfig(fixed_cost, slack, even, *fill))
     outcomes = set()
     for lens, parts in cases:
         parts = max(parts, fill[0] + 1) if fill else parts
@@ -277,38 +307,24 @@ def test_single_long_request():
     evict-first kernel."""
     case = make_dense_case(1, 1, 131072, 128, 1)
     meta = run_and_check(case, 1, False, reuse=2)
-    assert meta._state["dense"].kernel_schedule.kv_evict_first is True
-
-
-def test_single_long_request_16bit_partials():
-    """b = 1, 128K with 16-bit partials: 132 CTAs each stage a split partial through Q's bytes."""
-    import dataclasses
-
-    import mla_cute
-
-    case = make_dense_case(1, 1, 131072, 128, 1)
-    with mla_cute.use_schedule(dataclasses.replace(_schedules()["seesaw"], partials_16bit=True)):
-        meta = run_and_check(case, 1, False)
-    assert meta._state["dense"].o_accum.dtype == torch.bfloat16
+    assert dense_split(meta).evict_first is True
 
 
 def test_single_long_request_normal_loads():
-    import mla_cute
+    from mla_cute.schedules import experiment
 
     case = make_dense_case(1, 1, 131072, 128, 1)
-    with mla_cute.use_schedule(_schedules()["seesaw_normal_loads"]):
+    with experiment(_variants()["normal_loads"]):
         meta = run_and_check(case, 1, False)
-    assert meta._state["dense"].kernel_schedule.kv_evict_first is False
+    assert dense_split(meta).evict_first is False
 
 
-@pytest.mark.parametrize("partials_16bit,pdl", [(False, True), (True, True), (False, False)])
 @pytest.mark.parametrize("mode", ["whole", "chunks", "spread"])
 @pytest.mark.parametrize("s_q,h_q", [(3, 5), (1, 128)])
-def test_combine_paths(mode, s_q, h_q, partials_16bit, pdl):
+def test_combine_paths(mode, s_q, h_q):
     """The combine's three launches (whole rows, column chunks, spread chunks), with 1 to ~30 splits a
     request (below, at and past a warp's load group of partials) and (h_q = 5, s_q = 3) rows not a
-    multiple of 4; fp32 partials from registers, or 16-bit ones staged like the final rows; launched with
-    PDL (the default) or plainly."""
+    multiple of 4, each a programmatic dependent launch after the split kernel."""
     import mla_cute
     from mla_cute.schedules import DenseDecodeSchedule
 
@@ -316,8 +332,7 @@ def test_combine_paths(mode, s_q, h_q, partials_16bit, pdl):
     lens = [20000] + [rng.choice([1, 64, rng.randint(1, 3000), rng.randint(3000, 9000)]) for _ in range(36)]
     case = make_dense_case(37, s_q, 0, h_q, 1, lengths=lens, gen=torch.Generator().manual_seed(h_q))
     sched = DenseDecodeSchedule(num_sm_parts=132, combine_chunked_batch=0 if mode == "whole" else 64,
-                                combine_spread_partials=1 if mode == "spread" else 0, partials_16bit=partials_16bit,
-                                combine_pdl=pdl)
+                                combine_spread_partials=1 if mode == "spread" else 0)
     with mla_cute.use_schedule(sched):
         meta = run_and_check(case, s_q, s_q > 1)
     splits = (meta.num_splits[1:] - meta.num_splits[:-1]).cpu()

@@ -23,7 +23,8 @@ SCRIPT = textwrap.dedent(
             raise AssertionError("cute.compile called although the kernel is in the disk cache")
         cute.compile = forbidden
     import mla_cute.kernels.build as build
-    fn = build.compile_scheduler(3)
+    from mla_cute.schedules import SchedulerConfig
+    fn = build.compile_scheduler(SchedulerConfig(fixed_cost=3))
     assert callable(fn), fn
     """
 )

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mla_cute
-from mla_cute.schedules import DenseDecodeSchedule, num_sm_parts_for, plan_splits
+from mla_cute.schedules import DenseDecodeSchedule, num_sm_parts_for, plan_splits, resolve_dense
 
 INF = float("inf")
 D_QK, D_V = 576, 512
@@ -225,17 +225,21 @@ def test_dense_causal_visibility_is_bottom_right():
     assert torch.equal(out[:, -1], full_out[:, -1]) and torch.equal(lse[..., -1], full_lse[..., -1])
 
 
-# Tile multicast forced on: a KV head of 200 query heads (4 M tiles at s_q = 1) gets 4-CTA clusters, and with
-# them the idle-SM fill's parts, only when not causal (a causal cluster needs a multiple of 128 heads a KV head).
-CAUSAL_SENSITIVE_PLAN = DenseDecodeSchedule(tile_multicast=True, multicast_ctas=4)
+# Every plan the host knows takes 4-CTA clusters (a KV head of 256 query heads has 4 M tiles at s_q = 1), and
+# with them the idle-SM fill's parts: the plan with the most per-call choices.
+QUAD_PLAN = DenseDecodeSchedule(quad_multicast_tiles=0)
 
 
-@pytest.mark.parametrize("h_q,schedule", [(3, None), (200, CAUSAL_SENSITIVE_PLAN)])
+@pytest.mark.parametrize("h_q,schedule", [(3, None), (256, QUAD_PLAN)])
 def test_dense_causal_ignored_for_single_query(h_q, schedule):
     # FlashMLA drops causal when s_q == 1.  Its bottom-right mask hides no key from a single query anyway, so
     # out and lse cannot tell; what can is the metadata, which must be planned as for causal=False.
     gen = torch.Generator().manual_seed(7)
     lens = [5, 70]
+    if schedule is QUAD_PLAN:
+        call = resolve_dense(schedule, dtype="bfloat16", s_q=1, h_q=h_q, h_kv=1, causal=True, page=64,
+                             host_lengths=seqlens(lens))
+        assert (call.step.split.cluster_ctas, call.fill_parts, call.step.split.causal) == (4, 3, False)
     cache, table = make_paged_cache(lens, 64, 1, torch.bfloat16, gen)
     q = make_q(2, 1, h_q, torch.bfloat16, gen)
     results = []

@@ -27,32 +27,36 @@ def check(out, lse, ref):
     assert_close_flashmla("lse", lse, ref[1], LSE_ABS, LSE_REL)
 
 
-@pytest.mark.parametrize("s_q,h_q,causal,clusters", [(1, 128, False, None), (2, 64, True, None), (2, 128, True, 4)])
+@pytest.mark.parametrize("s_q,h_q,causal,clusters", [(1, 128, False, 2), (2, 64, True, 1), (2, 128, True, 4)])
 def test_cuda_graph_replays_with_new_inputs(s_q, h_q, causal, clusters):
-    """A whole decode step (scheduler, split, combine) captured once, replayed on new q, cache and lengths;
-    ``clusters=4``: the split kernel of 4-CTA clusters (a plan made in a capture takes pairs by default, so the
-    schedule asks for them), its parts capped at the clusters the device holds, and the idle-SM fill's pairs."""
-    import mla_cute
-    from mla_cute.schedules import DenseDecodeSchedule
+    """A whole decode step (scheduler, split, combine) captured once, replayed on new q, cache and lengths.
+    A plan made in a capture is one the host does not know, so the resolver takes pairs where the shape allows
+    them; ``clusters=4`` forces the split kernel of 4-CTA clusters there (``experiment``), on a part count the
+    schedule sets (no idle-SM fill)."""
+    import contextlib
 
-    sched = DenseDecodeSchedule(multicast_ctas=clusters)
+    import mla_cute
+    from mla_cute.schedules import DenseDecodeSchedule, experiment
+
+    sched = DenseDecodeSchedule(num_sm_parts=16) if clusters == 4 else DenseDecodeSchedule()
+    quads = experiment(lambda c: dataclasses.replace(c, cluster_ctas=4, cross_term_first=True))
     b, max_len = 16, 3000
     case = make_dense_case(b, s_q, 0, h_q, 1, lengths=[max_len] * b)
     q, k_cache, block_table, seqlens = case["q"], case["k_cache"], case["block_table"], case["cache_seqlens"]
-    # Compile outside the capture (module loading is not capturable).
-    mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, mla_cute.get_mla_metadata()[0],
-                                    causal=causal, schedule=sched)
-    torch.cuda.synchronize()
-
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        meta, _ = mla_cute.get_mla_metadata()
-        out, lse = mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=causal,
-                                                   schedule=sched)
-    if clusters:
-        assert meta._state["dense"].kernel_schedule.multicast_ctas == clusters
-        # With the idle-SM fill: two split kernels, the second a programmatic launch, captured as such.
-        assert len(meta._state["dense"].records) == 2
+    with quads if clusters == 4 else contextlib.nullcontext():
+        # Compile outside the capture (module loading is not capturable).
+        mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, mla_cute.get_mla_metadata()[0],
+                                        causal=causal, schedule=sched)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            meta, _ = mla_cute.get_mla_metadata()
+            out, lse = mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=causal,
+                                                       schedule=sched)
+    call = meta._state["dense"].config
+    assert call.step == call.capture_step, "a plan made in a capture runs the capture step"
+    assert call.step.split.cluster_ctas == clusters and call.step.with_combine
+    assert len(meta._state["dense"].records) == 1
 
     gen = torch.Generator().manual_seed(3)
     for trial in range(4):
@@ -71,10 +75,10 @@ def test_cuda_graph_replays_with_new_inputs(s_q, h_q, causal, clusters):
 
 def test_schedule_per_call_and_context_manager():
     """A schedule passed per call plans with its own part count and split policy: the custom one's 37
-    parts, the prefetch schedule's FlashMLA rule from the SM count (the serial kernel has no clusters);
-    the GPU scheduler's records are the host planner's for that count and policy."""
+    parts, the default's FlashMLA rule from the SM count (this short plan takes pairs, so no 4-CTA cap and
+    no fill parts); the GPU scheduler's records are the host planner's for that count and policy."""
     import mla_cute
-    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, PREFETCH_DENSE_SCHEDULE, num_sm_parts_for, plan_splits
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, num_sm_parts_for, plan_splits
 
     case = make_dense_case(6, 2, 1500, 128, 1, varlen=True)
     _, s_q, h_q, _ = case["q"].shape
@@ -84,7 +88,7 @@ def test_schedule_per_call_and_context_manager():
     sms = torch.cuda.get_device_properties(case["q"].device).multi_processor_count
     flashmla_parts = num_sm_parts_for(sms, s_q, h_q, h_kv)
     assert flashmla_parts != 37, "the two schedules' part counts must differ for the check below to tell them apart"
-    for sched in (PREFETCH_DENSE_SCHEDULE, custom):
+    for sched in (DEFAULT_DENSE_SCHEDULE, custom):
         poison_allocator()
         meta = mla_cute.get_mla_metadata()[0]
         check(*mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta, causal=True,
@@ -95,23 +99,29 @@ def test_schedule_per_call_and_context_manager():
         assert torch.equal(meta.tile_scheduler_metadata.cpu(), records)
         assert torch.equal(meta.num_splits.cpu(), splits)
         with pytest.raises(ValueError, match="schedule"):
-            other = PREFETCH_DENSE_SCHEDULE if sched is not PREFETCH_DENSE_SCHEDULE else DEFAULT_DENSE_SCHEDULE
+            other = DEFAULT_DENSE_SCHEDULE if sched is custom else custom
             mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta, causal=True,
                                             schedule=other)
-    with mla_cute.use_schedule(PREFETCH_DENSE_SCHEDULE):
-        check(*mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512,
-                                               tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], causal=True),
-              ref)
+    with mla_cute.use_schedule(custom):
+        meta = mla_cute.get_mla_metadata()[0]
+        check(*mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta, causal=True), ref)
+    assert meta.tile_scheduler_metadata.shape[0] == 37, "the context manager's schedule planned the call"
 
 
-def test_impossible_schedule_rejected_before_compiling():
+def test_impossible_schedule_rejected_before_compiling(monkeypatch):
     import mla_cute
+    import mla_cute.kernels.build as build
     from mla_cute.schedules import DenseDecodeSchedule
 
+    def unexpected(*args, **kwargs):
+        raise AssertionError("a kernel was compiled for a schedule that fails its checks")
+
+    monkeypatch.setattr(build, "compile_dense", unexpected)
+    monkeypatch.setattr(build, "compile_scheduler", unexpected)
     case = make_dense_case(2, 1, 100, 64, 1)
-    with pytest.raises(ValueError, match="shared memory"):
+    with pytest.raises(ValueError, match="idle_sm_fill_share"):
         mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=mla_cute.get_mla_metadata()[0],
-                                        schedule=DenseDecodeSchedule(seesaw=False, kv_stages=3))
+                                        schedule=DenseDecodeSchedule(idle_sm_fill_share=0))
 
 
 @pytest.mark.parametrize("h_q,h_kv,s_q,causal", [(128, 1, 1, False), (32, 2, 2, True)])

@@ -567,8 +567,8 @@ def on_cute(monkeypatch):
     def compile_kernel(*a, **k):
         return lambda *args: calls["scales"].append(args[-1])
 
-    monkeypatch.setattr(build, "compile_dense_decode", compile_kernel)
-    monkeypatch.setattr(build, "compile_sparse_decode", compile_kernel)
+    monkeypatch.setattr(build, "compile_dense", compile_kernel)
+    monkeypatch.setattr(build, "compile_sparse", compile_kernel)
     monkeypatch.setattr(build, "compile_scheduler", lambda *a, **k: lambda *args: None)
     monkeypatch.setattr(api, "select_backend", lambda device, backend=None: "cute")
     for check in ("check_dense", "check_sparse_decode"):

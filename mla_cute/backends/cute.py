@@ -9,16 +9,15 @@ request).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
 import torch
 
-from ..backend import dense_plan_schedule, num_sms
+from ..device import device_facts
 from ..fp8 import FP8_BYTES_PER_TOKEN
-from ..schedules import plan_has_split, sparse_num_sm_parts_for
 from ..schedules.dense import DenseDecodeSchedule
+from ..schedules.resolve import dense_precompile_steps, resolve_dense, resolve_sparse, sparse_precompile_steps
 from ..schedules.sparse import SparseDecodeSchedule
 
 _LOG2_E = math.log2(math.e)
@@ -66,9 +65,9 @@ def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool) -> None:
         raise NotImplementedError("k_cache needs a contiguous last dimension, 16-byte aligned base and strides")
 
 
-def _split_workspace(meta, lengths, max_len: int, parts: int, policy: tuple, b: int, h_kv: int, rows: int, device,
+def _split_workspace(meta, lengths, max_len: int, parts: int, scheduler, b: int, h_kv: int, rows: int, device,
                      partial_dtype=torch.float32):
-    """Run the GPU scheduler (``policy``: the planner's fixed cost and slacks, in blocks) over ``lengths``, each
+    """Run the GPU scheduler (``scheduler``: its ``SchedulerConfig``) over ``lengths``, each
     taken within [0, ``max_len``], into the metadata, and allocate the partials (O in ``partial_dtype``, lse in
     fp32).
 
@@ -78,16 +77,11 @@ def _split_workspace(meta, lengths, max_len: int, parts: int, policy: tuple, b: 
 
     sched = torch.empty(parts, 8, dtype=torch.int32, device=device)
     splits = torch.empty(b + 1, dtype=torch.int32, device=device)
-    compile_scheduler(*policy)(lengths, sched, splits, max_len)
+    compile_scheduler(scheduler)(lengths, sched, splits, max_len)
     meta.tile_scheduler_metadata, meta.num_splits = sched, splits
     o_accum = torch.empty(b + parts, h_kv, rows, 512, dtype=partial_dtype, device=device)
     lse_accum = torch.empty(b + parts, h_kv, rows, dtype=torch.float32, device=device)
     return o_accum, lse_accum
-
-
-def _partial_dtype(schedule, out_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of split partials' O: the output's 16-bit dtype with ``partials_16bit``, else fp32 (FlashMLA's)."""
-    return out_dtype if schedule.partials_16bit else torch.float32
 
 
 def _reused_plan(meta, kind: str, first: bool, schedule):
@@ -114,49 +108,33 @@ class DensePlan:
     """What a metadata object holds for the cute backend: compiled step, workspace, launch constants,
     and the facts (``replay_plan``) and q row shape of the last call that passed every check."""
 
-    __slots__ = ("schedule", "kernel_schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype",
-                 "facts", "q_rows", "records")
+    __slots__ = ("schedule", "config", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype", "facts",
+                 "q_rows", "records")
 
     def __init__(self, q, k_cache, block_table, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens,
                  host_lengths):
-        from ..kernels.build import compile_dense_decode
+        from ..kernels.build import compile_dense
 
-        schedule.validate()
         b, s_q, h_q, _ = q.shape
         page, h_kv = k_cache.shape[1], k_cache.shape[2]
         self.schedule, self.b, self.s_q, self.h_q, self.h_kv, self.dtype = schedule, b, s_q, h_q, h_kv, q.dtype
         self.facts = self.q_rows = None
-        # ``multicast_ctas=None`` is decided on the lengths (4-CTA clusters for long plans), and with it the
-        # part count (4-CTA clusters leave SMs idle).
-        plan = dense_plan_schedule(q.device, schedule, s_q, h_q, h_kv, causal, host_lengths)
-        # The step with the combine, for a plan the host does not know, is loaded in any case: a CUDA
-        # graph captured later plans on the device and needs it, and nothing should be loaded during a
-        # capture.  With the lengths on the host (``host_lengths``, read by the first call's value
-        # checks; None inside a capture) the host planner tells whether any request is split (if none
-        # is, the combine is left out) and how many tiles its busiest part reads (``kv_evict_first=None``
-        # decides the loads' cache policy on it).  A plan of 4-CTA clusters with fill parts runs the
-        # idle-SM fill's step (``kernels/fill.py``), a plan the host does not know too.
-        unknown = plan if host_lengths is None else dense_plan_schedule(q.device, schedule, s_q, h_q, h_kv, causal)
-        self.kernel_schedule = unknown.schedule.for_plan(None)
-        self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, self.kernel_schedule,
-                                         with_combine=True, fill=unknown.fill_parts > 0)
-        rows = s_q * (h_q // h_kv)
-        if plan.facts is not None:
-            split, busiest = plan.facts
-            chosen = plan.schedule.for_plan(busiest)
-            # (Equal schedules give equal fill parts: they follow from the schedule and the shape.)
-            if not split or chosen != self.kernel_schedule:
-                self.kernel_schedule = chosen
-                self.step = compile_dense_decode(q.dtype, s_q, h_q, h_kv, causal, page, chosen, with_combine=split,
-                                                 fill=plan.fill_parts > 0)
+        # With the lengths on the host (``host_lengths``, read by the first call's value checks; None inside a
+        # capture) the resolver knows the plan: its cluster size, loads and whether it splits a request.  The
+        # step of a plan the host does not know is loaded in any case, for a CUDA graph captured later.
+        call = self.config = resolve_dense(schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=s_q, h_q=h_q,
+                                           h_kv=h_kv, causal=causal, page=page, device=device_facts(q.device),
+                                           host_lengths=host_lengths)
+        self.step = compile_dense(call.capture_step)
+        if call.step != call.capture_step:
+            self.step = compile_dense(call.step)
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, cache_seqlens, block_table.shape[1] * page, plan.parts, plan.policy, b, h_kv, rows, q.device,
-            _partial_dtype(self.kernel_schedule, q.dtype)
-        )
+            meta, cache_seqlens, block_table.shape[1] * page, call.parts, call.scheduler, b, h_kv,
+            s_q * (h_q // h_kv), q.device)
         # The step's records: the clusters' and the fill's tables (views of the metadata's), or the whole table.
         sched = meta.tile_scheduler_metadata
-        clusters = plan.parts - plan.fill_parts
-        self.records = (sched[:clusters], sched[clusters:]) if plan.fill_parts else (sched,)
+        clusters = call.parts - call.fill_parts
+        self.records = (sched[:clusters], sched[clusters:]) if call.fill_parts else (sched,)
 
 
 def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, meta, first,
@@ -211,34 +189,16 @@ def replay_dense(plan: DensePlan, q, k_cache, block_table, cache_seqlens, meta, 
 
 
 def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeSchedule) -> None:
-    from ..kernels.build import compile_dense_decode, compile_scheduler
+    """Every step and scheduler a call of this configuration can resolve to (``dense_precompile_steps``)."""
+    from ..kernels.build import compile_dense, compile_scheduler
 
-    schedule.validate()
-    # Every kernel a plan can choose (``for_plan``: the loads' cache policy and the partials' dtype), from the
-    # busiest part's tile counts where a choice changes.
-    edges = (schedule.evict_first_tiles, schedule.partials_16bit_tiles)
-    counts = [None] + [n + d for n in edges for d in (0, 1)]
-    kernels = [schedule.multicast_for_plan(None).for_plan(n) for n in counts]
-    # And, where the kernel has four M tiles to a cluster, those of plans long enough for 4-CTA clusters
-    # (``multicast_for_plan``; their busiest part reads at least ``quad_multicast_tiles`` tiles).
-    # With the idle-SM fill (as this process's GPU, or an H200, allows it) they run as its steps, planned by a
-    # scheduler with fill parts.
-    quad_tiles = schedule.quad_multicast_tiles
-    quad = schedule.multicast_for_plan(quad_tiles)
-    causal = causal and s_q > 1
-    quad_plan = None
-    if quad.cluster_ctas_of_call(s_q, h_q, h_kv, causal) == 4:
-        kernels += [quad.for_plan(n) for n in counts[1:] + [quad_tiles] if n >= quad_tiles]
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        quad_plan = dense_plan_schedule(device, quad, s_q, h_q, h_kv, causal)
-    for kernel_schedule in dict.fromkeys(kernels):
-        with_fill = bool(quad_plan and quad_plan.fill_parts) and kernel_schedule.multicast_ctas == 4
-        for with_combine in (True, False):  # a plan that splits no request leaves the combine out
-            compile_dense_decode(dtype, s_q, h_q, h_kv, causal, page, kernel_schedule, with_combine=with_combine,
-                                 fill=with_fill)
-    compile_scheduler(*schedule.plan_policy(s_q * (h_q // h_kv)))
-    if quad_plan and quad_plan.fill_parts:
-        compile_scheduler(*quad_plan.policy)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    steps = dense_precompile_steps(schedule, dtype=str(dtype).replace("torch.", ""), s_q=s_q, h_q=h_q, h_kv=h_kv,
+                                   causal=causal, page=page, device=device_facts(device))
+    for step, scheduler in steps:
+        compile_dense(step)
+    for scheduler in dict.fromkeys(sched for _, sched in steps):
+        compile_scheduler(scheduler)
 
 
 # ---------------------------------------------------------------- sparse FP8 decode
@@ -255,43 +215,30 @@ def check_sparse_supported(k_cache: torch.Tensor) -> None:
 
 class SparsePlan:
     """What a metadata object holds for the sparse cute kernel: the compiled step and the workspace.
-    ``schedule`` is the call's, ``kernel_schedule`` the one resolved for the plan (``for_plan``)."""
+    ``schedule`` is the call's, ``config`` the ``SparseCall`` resolved for it."""
 
-    __slots__ = ("schedule", "kernel_schedule", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink",
-                 "dtype", "facts")
+    __slots__ = ("schedule", "config", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype", "facts")
 
     def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta):
-        from ..kernels.build import compile_sparse_decode
+        from ..kernels.build import compile_sparse
 
-        schedule.validate()
         b, s_q, h_q, _ = q.shape
         self.schedule, self.b, self.s_q, self.h_q, self.has_sink, self.dtype = schedule, b, s_q, h_q, has_sink, q.dtype
         self.facts = None
-        parts = schedule.num_sm_parts or sparse_num_sm_parts_for(num_sms(q.device), s_q, h_q)
-        # A small plan (few tiles a part, from the shapes alone) takes its own fixed cost and partials.
-        chosen = self.kernel_schedule = schedule.for_plan(schedule.small_plan(b, topk, parts))
-        # Without topk_length every request has topk tokens: the kernel is built for that and loads no
-        # length (the first call's choice holds for the metadata's later calls, as for attn_sink), and
-        # the host knows the plan: when it splits no request, the split kernel writes every output
-        # itself and the combine is left out.  The step with the combine is loaded in any case, for a
-        # CUDA graph captured later, and a capture keeps it (nothing can be loaded during one).
+        # Without topk_length every request has topk tokens: the kernel is built for that and loads no length
+        # (the first call's choice holds for the metadata's later calls, as for attn_sink).  The step with the
+        # combine is loaded in any case, for a CUDA graph captured later.
         given = topk_length is not None
-        self.step = compile_sparse_decode(s_q, h_q, has_sink, chosen, with_combine=True, has_topk_length=given)
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        policy = chosen.plan_policy(s_q * h_q)
-        if not given and not capturing and not _topk_plan_has_split(b, topk, parts, policy):
-            self.step = compile_sparse_decode(s_q, h_q, has_sink, chosen, with_combine=False, has_topk_length=False)
+        call = self.config = resolve_sparse(
+            schedule, b=b, s_q=s_q, h_q=h_q, topk=topk, has_sink=has_sink, has_topk_length=given,
+            device=device_facts(q.device), capturing=q.is_cuda and torch.cuda.is_current_stream_capturing())
+        self.step = compile_sparse(call.capture_step)
+        if call.step != call.capture_step:
+            self.step = compile_sparse(call.step)
         lengths = (topk_length if given else torch.full((b,), topk, dtype=torch.int32, device=q.device)).clamp(1, topk)
+        partials = q.dtype if call.step.split.partials_16bit else torch.float32
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, lengths, topk, parts, policy, b, 1, s_q * h_q, q.device, _partial_dtype(chosen, q.dtype)
-        )
-
-
-@functools.lru_cache(maxsize=64)
-def _topk_plan_has_split(b: int, topk: int, parts: int, policy: tuple) -> bool:
-    """Whether the plan of ``b`` requests of ``topk`` tokens each splits one (``policy``: the planner's fixed
-    cost and slacks): the same on every decode step, so the host walk runs once."""
-    return plan_has_split(torch.full((b,), topk, dtype=torch.int64), parts, 64, *policy)
+            meta, lengths, topk, call.parts, call.scheduler, b, 1, s_q * h_q, q.device, partials)
 
 
 def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
@@ -353,13 +300,11 @@ def replay_sparse_plan(meta, q, k_cache, indices, topk_length, attn_sink, block_
 
 
 def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_topk_length: bool = False) -> None:
-    from ..kernels.build import compile_scheduler, compile_sparse_decode
+    """Every step and scheduler a sparse call of this configuration can resolve to (``sparse_precompile_steps``)."""
+    from ..kernels.build import compile_scheduler, compile_sparse
 
-    schedule.validate()
-    # Both plan kinds (``small_plan``: a shape fact of each call), where they differ.
-    kinds = (False, True) if schedule.small_plan_tiles else (False,)
-    for chosen in dict.fromkeys(schedule.for_plan(small) for small in kinds):
-        compile_sparse_decode(s_q, h_q, has_sink, chosen, with_combine=True, has_topk_length=has_topk_length)
-        if not has_topk_length:  # a plan that splits no request leaves the combine out (known only without lengths)
-            compile_sparse_decode(s_q, h_q, has_sink, chosen, with_combine=False)
-        compile_scheduler(*chosen.plan_policy(s_q * h_q))
+    steps = sparse_precompile_steps(schedule, s_q=s_q, h_q=h_q, has_sink=has_sink, has_topk_length=has_topk_length)
+    for step, _ in steps:
+        compile_sparse(step)
+    for scheduler in dict.fromkeys(sched for _, sched in steps):
+        compile_scheduler(scheduler)

@@ -1,4 +1,6 @@
-"""Dense MLA decode over a paged cache, split-KV, on Hopper (SM90a).
+"""Dense MLA decode over a paged cache, split-KV, on Hopper (SM90a): the serial kernel, every step of a tile
+waiting for the previous one.  No resolver picks it; it is kept as the baseline that the seesaw kernel
+(``dense_seesaw.py``) is measured against (``benchmarks/experiments.py``).
 
 One CTA serves one (SM part, 64-row M tile, KV head).  Its part of the batch comes
 from the split-KV scheduler record (``mla_cute.schedules.planner``): requests
@@ -17,7 +19,7 @@ Warpgroup roles (384 threads):
 
 Shared-memory plan (16-bit q/cache; bytes):
   sQ    64 x 576                       73 728
-  sKV   kv_stages x 64 x 576          73 728 each (V is the first 512 columns of K)
+  sKV   2 x 64 x 576                  73 728 each (V is the first 512 columns of K)
   sP    64 x 64                          8 192
   sMax, sSum  [2][64] fp32               1 024
   mbarriers: Q full/empty, KV full/empty per stage
@@ -25,7 +27,7 @@ All 16-bit tiles use the 128-byte swizzle; K and V share one buffer because the
 K-major (token x feature) and MN-major (feature x token) swizzled layouts place
 every element at the same byte.
 
-Named barriers: ``consumer.BarrierId``.
+Named barriers: ``barriers.SerialBarrier``.
 
 Output: requests served whole write ``out [b, s_q, h_q, 512]`` (q dtype) and
 ``lse [b, h_q, s_q]`` (natural log) in place (``layouts.py``); pieces of a split request
@@ -41,45 +43,31 @@ import cutlass.pipeline as pipeline
 from cutlass.memory import SmemAllocator
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..schedules.dense import DenseDecodeSchedule
-from .consumer import (
-    BLOCK_M,
-    BLOCK_N,
-    D_QK,
-    D_V,
-    HALF_N,
-    LengthMask,
-    OutputTile,
-    SplitKVConsumer,
-    SplitOutputs,
-    WorkSlice,
-    load_splits,
-    make_consumer_mmas,
-    make_q_pipeline,
-    make_smem_layouts,
-    operand_tiles,
-    row_exchange,
-)
+from ..schedules.configs import DenseSplitConfig
+from .constants import BLOCK_M, BLOCK_N, D_QK, HALF_N
+from .layouts import make_q_pipeline, make_smem_layouts, operand_tiles, row_exchange
+from .serial_consumer import SplitKVConsumer, make_consumer_mmas
+from .softmax import LengthMask
+from .work import OutputTile, SplitOutputs, WorkSlice, load_splits
+from .constants import DTYPES, L2_EVICT_FIRST
 from .layouts import lse_rows, out_rows
 
-# L2 cache-policy operand of a TMA load marking the lines evict-first (CUTLASS's
-# CacheHintSm90::EVICT_FIRST): each KV tile is read once, so it should not push Q or the
-# block table out of L2.
-L2_EVICT_FIRST = 0x12F0000000000000
 
 
-def set_dense_facts(kernel, dtype, rows: int, group: int, s_q: int, causal: bool, page_size: int) -> None:
+
+
+def set_dense_facts(kernel, config: DenseSplitConfig) -> None:
     """The static facts both dense decode kernels (this one and ``dense_seesaw.py``) compile from."""
-    if page_size % BLOCK_N != 0:
-        raise NotImplementedError(f"page_block_size {page_size}: the kernel needs a multiple of {BLOCK_N}")
-    kernel.dtype = dtype
-    kernel.rows = rows  # s_q * group query rows per KV head
-    kernel.group = group  # h_q / h_kv
-    kernel.s_q = s_q
-    kernel.causal = causal
-    kernel.page_size = page_size
-    kernel.m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
-    kernel.tiles_per_page = page_size // BLOCK_N
+    if config.page % BLOCK_N != 0:
+        raise NotImplementedError(f"page_block_size {config.page}: the kernel needs a multiple of {BLOCK_N}")
+    kernel.dtype = DTYPES[config.dtype]
+    kernel.rows = config.rows  # s_q * group query rows per KV head
+    kernel.group = config.group  # h_q / h_kv
+    kernel.s_q = config.s_q
+    kernel.causal = config.causal
+    kernel.page_size = config.page
+    kernel.m_tiles = config.m_tiles
+    kernel.tiles_per_page = config.page // BLOCK_N
 
 
 def feature_major(mQ: cute.Tensor, mKCache: cute.Tensor):
@@ -89,28 +77,20 @@ def feature_major(mQ: cute.Tensor, mKCache: cute.Tensor):
     return q, k
 
 
-class DenseDecodeKernel(SplitKVConsumer):
-    """Static configuration of one compiled dense decode kernel."""
+class DenseSerialKernel(SplitKVConsumer):
+    """The serial dense decode kernel: the baseline the seesaw kernel is measured against."""
 
     num_threads = 384
     producer_regs = 40
     consumer_regs = 232
 
-    def __init__(
-        self,
-        dtype,
-        rows: int,
-        group: int,
-        s_q: int,
-        causal: bool,
-        page_size: int,
-        schedule: DenseDecodeSchedule,
-    ):
-        schedule.validate()
-        set_dense_facts(self, dtype, rows, group, s_q, causal, page_size)
-        self.kv_stages = schedule.kv_stages
-        self.qk_prefetch = schedule.qk_prefetch
-        self.kv_evict_first = schedule.kv_evict_first
+    kv_stages = 2
+
+    def __init__(self, config: DenseSplitConfig):
+        if config.kernel != "serial" or config.cluster_ctas != 1:
+            raise ValueError(f"DenseSerialKernel takes configs of kernel 'serial' without clusters, got {config}")
+        set_dense_facts(self, config)
+        self.kv_evict_first = config.evict_first
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -289,7 +269,7 @@ class DenseDecodeKernel(SplitKVConsumer):
     def consume(self, v, sMax, sSum, q_pipe, kv_pipe, mSeqlens, outs, scale_log2, m_tile, kv_head, work):
         rows = self.row_state(m_tile, v.tid)
         bars = self.consumer_barriers()
-        acc_s, acc_s_next = v.acc_s, v.acc_s_next
+        acc_s = v.acc_s
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
@@ -298,37 +278,13 @@ class DenseDecodeKernel(SplitKVConsumer):
             first, last = work.blocks(req, seqlen)
             self.start_rows(v, rows)
             q_pipe.consumer_wait(q_state)
-            if cutlass.const_expr(self.qk_prefetch):
-                # The next tile's S is issued on the tensor cores before this tile's softmax.
-                # The last tile is peeled so every wait in the loop has a fixed depth.
-                if first < last:
-                    kv_pipe.consumer_wait(kv_state)
-                    self.mma_qk(v, acc_s, kv_state.index)
-                    # Settle the first S before the loop: its registers enter the loop through a
-                    # copy, and copying an in-flight accumulator would serialize every WGMMA.
-                    warpgroup.wait_group(0)
-                    for blk in cutlass.range(first, last - 1, unroll=1):
-                        next_state = kv_state.clone()
-                        next_state.advance()
-                        kv_pipe.consumer_wait(next_state)
-                        self.mma_qk(v, acc_s_next, next_state.index)
-                        warpgroup.wait_group(1)
-                        self.finish_tile(v, rows, bars, sMax, seqlen, blk, kv_state.index, scale_log2)
-                        kv_pipe.consumer_release(kv_state)
-                        kv_state.advance()
-                        acc_s.store(acc_s_next.load())
-                    warpgroup.wait_group(0)
-                    self.finish_tile(v, rows, bars, sMax, seqlen, last - 1, kv_state.index, scale_log2)
-                    kv_pipe.consumer_release(kv_state)
-                    kv_state.advance()
-            else:
-                for blk in cutlass.range(first, last, unroll=1):
-                    kv_pipe.consumer_wait(kv_state)
-                    self.mma_qk(v, acc_s, kv_state.index)
-                    warpgroup.wait_group(0)
-                    self.finish_tile(v, rows, bars, sMax, seqlen, blk, kv_state.index, scale_log2)
-                    kv_pipe.consumer_release(kv_state)
-                    kv_state.advance()
+            for blk in cutlass.range(first, last, unroll=1):
+                kv_pipe.consumer_wait(kv_state)
+                self.mma_qk(v, acc_s, kv_state.index)
+                warpgroup.wait_group(0)
+                self.finish_tile(v, rows, bars, sMax, seqlen, blk, kv_state.index, scale_log2)
+                kv_pipe.consumer_release(kv_state)
+                kv_state.advance()
             q_pipe.consumer_release(q_state)
             q_state.advance()
             tile = OutputTile(kv_head, m_tile * BLOCK_M, self.rows - m_tile * BLOCK_M)

@@ -1,0 +1,115 @@
+"""Kernel configs: what the generated code of one kernel depends on, frozen and complete.
+
+A resolver (``resolve.py``) makes them from a schedule, the call's shapes, the plan and the device; the
+kernels (``mla_cute.kernels``) and their compile entry points read only these, and the compile cache keys
+on them, so equal kernels share one key whatever schedule led to them.  Every field is decided: no
+``None`` meaning "choose later".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .planner import FILL_SHARE_ONE
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """The GPU planner's policy (``kernels/scheduler.py``; the host twin is ``planner.plan_splits``), in
+    64-token blocks: the fixed cost per request piece, the slacks for whole requests and even pieces, and
+    the idle-SM fill's parts (0: none) with their share of a part's blocks, in sixteenths."""
+
+    fixed_cost: int
+    unsplit_slack: int = 0
+    even_split_slack: int = 0
+    fill_parts: int = 0
+    fill_share: int = FILL_SHARE_ONE
+
+    def policy(self) -> tuple:
+        """``plan_splits``' arguments after the part count."""
+        return (self.fixed_cost, self.unsplit_slack, self.even_split_slack, self.fill_parts, self.fill_share)
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineConfig:
+    """The split-KV combine (``kernels/combine.py``) for ``group`` query heads a KV head at ``s_q``
+    positions: the largest batch whose rows go to 4 column-chunk CTAs, and the parts a request spans from
+    which a chunk is merged by 8 warps (0: never, for either)."""
+
+    dtype: str
+    group: int
+    s_q: int
+    has_sink: bool = False
+    chunked_batch: int = 4
+    spread_partials: int = 48
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseSplitConfig:
+    """One dense decode split kernel: ``dtype`` (the cache's and the output's), ``s_q`` positions of
+    ``group`` query heads a KV head over ``h_kv`` KV heads, causal masking, the page size; how many M
+    tiles share each KV tile in a cluster (1: none, 2: a pair, 4), whether the seesaw's second warpgroup
+    issues the cross term first, and whether KV loads are evict-first in L2.  ``kernel`` names the
+    kernel: "seesaw" (every resolver's), or "serial", the baseline kept to measure gains against
+    (``kernels/dense_serial.py``; it takes ``cluster_ctas`` 1 and ignores ``cross_term_first``)."""
+
+    dtype: str
+    s_q: int
+    group: int
+    h_kv: int
+    causal: bool
+    page: int
+    cluster_ctas: int
+    cross_term_first: bool
+    evict_first: bool
+    kernel: str = "seesaw"
+
+    @property
+    def rows(self) -> int:
+        """A KV head's query rows."""
+        return self.s_q * self.group
+
+    @property
+    def m_tiles(self) -> int:
+        return -(-self.rows // 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseStepConfig:
+    """What one dense decode call launches: the split kernel, behind one entry with the combine when the
+    plan may split a request (``with_combine``), and with ``fill`` the idle-SM fill's pairs after 4-CTA
+    clusters (``kernels/fill.py``)."""
+
+    split: DenseSplitConfig
+    combine: CombineConfig
+    with_combine: bool
+    fill: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseSplitConfig:
+    """One sparse FP8 decode split kernel (656-byte V3.2 rows): ``s_q`` tokens of ``h_q`` heads, with an
+    attention sink, with per-request ``topk_length``; the crossover (head tiles in pairs sharing each
+    token tile), the crossover's producer halves, and 16-bit split partials."""
+
+    s_q: int
+    h_q: int
+    has_sink: bool
+    has_topk_length: bool
+    crossover: bool
+    producer_halves: bool
+    partials_16bit: bool
+
+    @property
+    def head_tiles(self) -> int:
+        return -(-self.h_q // 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseStepConfig:
+    """What one sparse decode call launches: the split kernel, with the combine behind one entry unless
+    the plan is known to split no request."""
+
+    split: SparseSplitConfig
+    combine: CombineConfig
+    with_combine: bool

@@ -1,0 +1,220 @@
+"""The resolvers: one per call kind, from schedule + shapes + lengths + device facts to frozen kernel
+configs and the plan's parts and policy.  Every per-plan rule lives here, once; the host runtime, the
+precompile enumeration and the tests all go through these functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+from .configs import (CombineConfig, DenseSplitConfig, DenseStepConfig, SchedulerConfig, SparseSplitConfig,
+                      SparseStepConfig)
+from .dense import DenseDecodeSchedule
+from .planner import m_tiles_for, num_sm_parts_for, plan_facts, plan_has_split, sparse_num_sm_parts_for
+from .sparse import SparseDecodeSchedule
+
+# The seesaw kernel's shared storage (``kernels/dense_seesaw.py``, ``SharedStorage``; a compile test checks
+# it): mbarriers for Q, 18 sub-tiles, 4 buffer halves and Q's hand-back, and the row max / sum / scale
+# exchanges (3 x 2 x 64 fp32), padded to the 1 KiB alignment of the tiles; then Q 64 x 576, two KV tiles
+# 64 x 576 and the second P 64 x 64, all 16-bit.
+DENSE_SMEM_BYTES = -(-(8 * (2 + 2 * 9 + 4 + 1) + 3 * 2 * 64 * 4) // 1024) * 1024 + 2 * (64 * 576 * 3 + 64 * 64)
+DENSE_THREADS = 384  # two consumer warpgroups and the load warpgroup
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFacts:
+    """What planning needs of a device: its SM count, and how many 2- and 4-CTA clusters of the dense
+    kernel (``DENSE_SMEM_BYTES``, ``DENSE_THREADS``) it holds at once (``mla_cute.device.device_facts``)."""
+
+    num_sms: int = 132
+    pair_clusters: int = 66
+    quad_clusters: int = 30
+
+
+HOPPER = DeviceFacts()  # an H100 / H200: what a CPU plans for
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseCall:
+    """A dense call resolved: ``step``, the kernels it runs; ``capture_step``, those of a plan the host does
+    not know (loaded with every plan: a CUDA graph captured later plans on the device, and nothing can be
+    loaded during a capture); the part count (fill parts included), the fill parts, and the GPU planner's
+    policy."""
+
+    step: DenseStepConfig
+    capture_step: DenseStepConfig
+    parts: int
+    fill_parts: int
+    scheduler: SchedulerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseCall:
+    """A sparse call resolved: the kernels (``capture_step``: with the combine, for a CUDA graph), the part
+    count and the planner's policy."""
+
+    step: SparseStepConfig
+    capture_step: SparseStepConfig
+    parts: int
+    scheduler: SchedulerConfig
+
+
+# An experiment (``benchmarks/experiments.py``) may rewrite each dense split config a resolver returns.
+_experiment: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("mla_cute_experiment", default=None)
+
+
+@contextlib.contextmanager
+def experiment(rewrite: Callable[[DenseSplitConfig], DenseSplitConfig]):
+    """Within the block, ``resolve_dense`` passes every split config through ``rewrite`` (the benchmarks'
+    baseline and A/B variants; a metadata object made inside keeps its kernels)."""
+    token = _experiment.set(rewrite)
+    try:
+        yield
+    finally:
+        _experiment.reset(token)
+
+
+def _dense_split(dtype: str, s_q: int, h_q: int, h_kv: int, causal: bool, page: int, cluster_ctas: int,
+                 evict_first: bool) -> DenseSplitConfig:
+    m_tiles = m_tiles_for(s_q, h_q, h_kv)
+    cfg = DenseSplitConfig(dtype, s_q, h_q // h_kv, h_kv, causal, page, cluster_ctas,
+                           cross_term_first=m_tiles == 1 or cluster_ctas > 1, evict_first=evict_first)
+    rewrite = _experiment.get()
+    return rewrite(cfg) if rewrite is not None else cfg
+
+
+def dense_cluster_options(s_q: int, h_q: int, h_kv: int) -> tuple[int, ...]:
+    """Cluster sizes a dense kernel of this shape can take: pairs sharing each KV tile with a multiple of 128
+    query heads a KV head (two M tiles that read the same tiles, even when causal), 4-CTA clusters where a
+    KV head has a multiple of four M tiles; else none (1)."""
+    if (h_q // h_kv) % 128 != 0:
+        return (1,)
+    return (2, 4) if m_tiles_for(s_q, h_q, h_kv) % 4 == 0 else (2,)
+
+
+def _dense_parts(schedule: DenseDecodeSchedule, device: DeviceFacts, s_q: int, h_q: int, h_kv: int,
+                 cluster_ctas: int) -> tuple[int, int]:
+    """(parts, fill parts): ``num_sm_parts``, else FlashMLA's rule, capped with 4-CTA clusters at the clusters
+    the device holds at once (all parts of a plan run together); then as many fill parts of pairs as the SMs
+    those clusters leave idle hold (none where the device's pairs do not tile its SMs)."""
+    if schedule.num_sm_parts:
+        return schedule.num_sm_parts, 0
+    parts = num_sm_parts_for(device.num_sms, s_q, h_q, h_kv)
+    if cluster_ctas != 4:
+        return parts, 0
+    m_tiles = m_tiles_for(s_q, h_q, h_kv)
+    parts = max(min(parts, device.quad_clusters // (h_kv * m_tiles // 4)), 1)
+    if 2 * device.pair_clusters != device.num_sms:
+        return parts, 0
+    idle = device.num_sms - 4 * parts * (h_kv * m_tiles // 4)
+    return parts, max(idle, 0) // (2 * (h_kv * m_tiles // 2))
+
+
+def resolve_dense(schedule: DenseDecodeSchedule, *, dtype: str, s_q: int, h_q: int, h_kv: int, causal: bool,
+                  page: int, device: DeviceFacts = HOPPER, host_lengths=None) -> DenseCall:
+    """The dense call's kernels and plan.  ``host_lengths``: the requests' lengths on the host (the first call
+    with a metadata object has read them), else None (a plan the host does not know, as in a CUDA graph
+    capture).  Rules: pairs where the shape allows them (``dense_cluster_options``), 4-CTA clusters for plans
+    whose busiest part reads at least ``quad_multicast_tiles`` tiles, evict-first loads for plans whose busiest
+    part reads at most ``evict_first_tiles``, the cross term first with one M tile or any cluster, the
+    combine left out where the plan splits no request."""
+    causal = causal and s_q > 1
+    rows = s_q * (h_q // h_kv)
+    base_policy = schedule.plan_policy(rows)
+    options = dense_cluster_options(s_q, h_q, h_kv)
+    pairs = options[0]
+    combine = CombineConfig(dtype, h_q // h_kv, s_q, False, schedule.combine_chunked_batch,
+                            schedule.combine_spread_partials)
+
+    def plan(ctas):
+        parts, fill = _dense_parts(schedule, device, s_q, h_q, h_kv, ctas)
+        sched = SchedulerConfig(*base_policy, fill, schedule.idle_sm_fill_share) if fill else SchedulerConfig(*base_policy)
+        return parts + fill, fill, sched
+
+    capture_parts, capture_fill, capture_sched = plan(pairs)
+    capture = DenseStepConfig(_dense_split(dtype, s_q, h_q, h_kv, causal, page, pairs, False), combine, True,
+                              capture_fill > 0)
+    if host_lengths is None:
+        return DenseCall(capture, capture, capture_parts, capture_fill, capture_sched)
+    ctas = pairs
+    if 4 in options:
+        quad_parts, _ = _dense_parts(schedule, device, s_q, h_q, h_kv, 4)
+        if plan_facts(host_lengths, quad_parts, 64, *base_policy)[1] >= schedule.quad_multicast_tiles:
+            ctas = 4
+        # An experiment that takes the clusters apart plans as the kernel it builds.
+        if ctas == 4 and _dense_split(dtype, s_q, h_q, h_kv, causal, page, 4, False).cluster_ctas != 4:
+            ctas = pairs
+    parts, fill, sched = plan(ctas)
+    split, busiest = plan_facts(host_lengths, parts, 64, *sched.policy())
+    evict = busiest <= schedule.evict_first_tiles
+    step = DenseStepConfig(_dense_split(dtype, s_q, h_q, h_kv, causal, page, ctas, evict), combine, split, fill > 0)
+    return DenseCall(step, capture, parts, fill, sched)
+
+
+def dense_precompile_steps(schedule: DenseDecodeSchedule, *, dtype: str, s_q: int, h_q: int, h_kv: int,
+                           causal: bool, page: int, device: DeviceFacts = HOPPER) -> list:
+    """Every (step, scheduler) a call of this shape can resolve to, for ``precompile``: each cluster size the
+    shape allows, normal and evict-first loads (a 4-CTA plan's fill parts can bring its busiest part under
+    ``evict_first_tiles``), with and without the combine."""
+    out = []
+    for ctas in dense_cluster_options(s_q, h_q, h_kv):
+        parts, fill = _dense_parts(schedule, device, s_q, h_q, h_kv, ctas)
+        policy = schedule.plan_policy(s_q * (h_q // h_kv))
+        sched = SchedulerConfig(*policy, fill, schedule.idle_sm_fill_share) if fill else SchedulerConfig(*policy)
+        combine = CombineConfig(dtype, h_q // h_kv, s_q, False, schedule.combine_chunked_batch,
+                                schedule.combine_spread_partials)
+        for evict in (False, True):
+            split = _dense_split(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, ctas, evict)
+            for with_combine in (True, False):
+                out.append((DenseStepConfig(split, combine, with_combine, fill > 0), sched))
+    return out
+
+
+def resolve_sparse(schedule: SparseDecodeSchedule, *, b: int, s_q: int, h_q: int, topk: int, has_sink: bool,
+                   has_topk_length: bool, device: DeviceFacts = HOPPER, capturing: bool = False) -> SparseCall:
+    """The sparse call's kernels and plan.  Rules: the crossover where the 64-head tiles pair; a small plan
+    (``small_plan_tiles``, from the shapes) takes the small fixed cost and 16-bit partials and leaves the
+    producer whole, other plans split the crossover's producer in halves; the combine is left out when every
+    request has ``topk`` tokens (no ``topk_length``), the plan splits none and no CUDA graph is being captured."""
+    parts = schedule.num_sm_parts or sparse_num_sm_parts_for(device.num_sms, s_q, h_q)
+    small = schedule.small_plan(b, topk, parts)
+    crossover = -(-h_q // 64) % 2 == 0
+    split = SparseSplitConfig(s_q, h_q, has_sink, has_topk_length, crossover,
+                              producer_halves=crossover and not small, partials_16bit=small)
+    combine = CombineConfig("bfloat16", h_q, s_q, has_sink, schedule.combine_chunked_batch,
+                            schedule.combine_spread_partials)
+    sched = SchedulerConfig(*schedule.plan_policy(s_q * h_q, small))
+    capture = SparseStepConfig(split, combine, True)
+    step = capture
+    if not has_topk_length and not capturing and not _topk_plan_has_split(b, topk, parts, sched.policy()):
+        step = SparseStepConfig(split, combine, False)
+    return SparseCall(step, capture, parts, sched)
+
+
+def sparse_precompile_steps(schedule: SparseDecodeSchedule, *, s_q: int, h_q: int, has_sink: bool,
+                            has_topk_length: bool) -> list:
+    """Every (step, scheduler) a sparse call of this shape can resolve to: small plans and others, with the
+    combine and, without ``topk_length``, without it."""
+    out = []
+    for small in ((False, True) if schedule.small_plan_tiles else (False,)):
+        crossover = -(-h_q // 64) % 2 == 0
+        split = SparseSplitConfig(s_q, h_q, has_sink, has_topk_length, crossover, crossover and not small, small)
+        combine = CombineConfig("bfloat16", h_q, s_q, has_sink, schedule.combine_chunked_batch,
+                                schedule.combine_spread_partials)
+        sched = SchedulerConfig(*schedule.plan_policy(s_q * h_q, small))
+        for with_combine in ((True,) if has_topk_length else (True, False)):
+            out.append((SparseStepConfig(split, combine, with_combine), sched))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _topk_plan_has_split(b: int, topk: int, parts: int, policy: tuple) -> bool:
+    """Whether the plan of ``b`` requests of ``topk`` tokens each splits one: the same on every decode step,
+    so the host walk runs once."""
+    import torch
+
+    return plan_has_split(torch.full((b,), topk, dtype=torch.int64), parts, 64, *policy)
