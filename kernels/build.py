@@ -115,8 +115,10 @@ def compile_combine(config: CombineConfig, h_kv: int = 1, options: str = ""):
 
     def build():
         dtype = DTYPES[config.dtype]
-        _, num_splits, out, lse, o_acc, lse_acc = _split_io(dtype, _sym(), config.s_q, config.group * h_kv, h_kv)
-        args = (num_splits, o_acc, lse_acc, out, lse, None, make_fake_stream(use_tvm_ffi_env_stream=True))
+        h_q = config.group * h_kv
+        _, num_splits, out, lse, o_acc, lse_acc = _split_io(dtype, _sym(), config.s_q, h_q, h_kv)
+        sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if config.has_sink else None
+        args = (num_splits, o_acc, lse_acc, out, lse, sink, make_fake_stream(use_tvm_ffi_env_stream=True))
         return cute.compile(CombineKernel(config), *args, options=compile_options(options))
 
     return cached_compile(("combine", config, h_kv, options), build, describe=f"combine {config} h_kv={h_kv}",
