@@ -25,7 +25,7 @@ pay 4x the (mostly empty) CTAs.  Why spread only where the partials are many: wi
 66 parts) the spread kernel's 8x the warps and its barrier cost more than they save (H200, the
 combine alone: 9.3 us against 7.9 one warp a chunk, partials in L2); with 66 or 132 a row (b = 1)
 one warp a chunk waits for 9 or 17 groups of loads in turn, and the spread calls were 3-11% faster
-(docs/performance.md, entry 31).
+(docs/log/dense_decode.md, entry 31).
 
 Partial i of a row carries O_i (normalised by its own sum; fp32, or bf16 for sparse decode's small
 plans) and lse_i in base 2, fp32 (-inf when it saw no token).  With
