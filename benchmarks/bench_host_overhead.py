@@ -76,8 +76,8 @@ def main():
 
     from mla_cute.kernels.build import compile_combine, compile_scheduler
 
-    combine = compile_combine(q.dtype, s_q, h_q, 1)
-    scheduler = compile_scheduler(*plan.schedule.plan_policy(plan.s_q * (plan.h_q // plan.h_kv)))
+    combine = compile_combine(plan.config.step.combine, h_kv=plan.h_kv)
+    scheduler = compile_scheduler(plan.config.scheduler)
     sched, splits = meta.tile_scheduler_metadata, meta.num_splits
     sched_copy, splits_copy = sched.clone(), splits.clone()
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 
 EXPERIMENTS = {
-    # The serial kernel (``kernels/dense_serial.py``): every step of a tile waits for the previous one.
-    "serial": lambda c: dataclasses.replace(c, kernel="serial", cluster_ctas=1, cross_term_first=False),
+    # The serial kernel (``kernels/dense_serial.py``): every step of a tile waits for the previous one; normal loads
+    # (the baseline's, whatever the plan).
+    "serial": lambda c: dataclasses.replace(c, kernel="serial", cluster_ctas=1, cross_term_first=False,
+                                            evict_first=False),
     # The seesaw in FlashMLA's step order, and without tile multicast.
     "cross_term_last": lambda c: dataclasses.replace(c, cross_term_first=False),
     "no_multicast": lambda c: dataclasses.replace(c, cluster_ctas=1, cross_term_first=c.m_tiles == 1),

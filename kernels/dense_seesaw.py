@@ -80,14 +80,12 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from ..schedules.configs import DenseSplitConfig
-from .constants import BLOCK_M, BLOCK_N, D_QK
+from .constants import BLOCK_M, BLOCK_N, D_QK, L2_EVICT_FIRST
+from .dense_serial import feature_major, set_dense_facts
 from .epilogue import StagedRows
-from .layouts import make_smem_layouts, operand_tiles, row_exchange, staged_rows_layout
+from .layouts import lse_rows, make_smem_layouts, operand_tiles, out_rows, row_exchange, staged_rows_layout
 from .softmax import rescale_o
 from .work import OutputTile, SplitOutputs, WorkSlice, advance_lengths, lengths_ahead, load_splits
-from .constants import L2_EVICT_FIRST
-from .dense_serial import feature_major, set_dense_facts
-from .layouts import lse_rows, out_rows
 from .seesaw import NUM_SUB, SUB, SeesawBarrier, SeesawBarriers, SeesawConsumer, make_seesaw_mmas
 
 # A buffer's sub-tiles by the warpgroup whose P V frees them: V_L (0-3) warpgroup 0's; V_R and the RoPE

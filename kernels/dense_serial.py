@@ -44,14 +44,11 @@ from cutlass.memory import SmemAllocator
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..schedules.configs import DenseSplitConfig
-from .constants import BLOCK_M, BLOCK_N, D_QK, HALF_N
-from .layouts import make_q_pipeline, make_smem_layouts, operand_tiles, row_exchange
+from .constants import BLOCK_M, BLOCK_N, D_QK, DTYPES, HALF_N, L2_EVICT_FIRST
+from .layouts import lse_rows, make_q_pipeline, make_smem_layouts, operand_tiles, out_rows, row_exchange
 from .serial_consumer import SplitKVConsumer, make_consumer_mmas
 from .softmax import LengthMask
 from .work import OutputTile, SplitOutputs, WorkSlice, load_splits
-from .constants import DTYPES, L2_EVICT_FIRST
-from .layouts import lse_rows, out_rows
-
 
 
 

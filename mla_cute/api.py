@@ -444,7 +444,8 @@ def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens,
 
 
 def _fill_sparse_reference_metadata(meta: FlashMLASchedMeta, q, topk: int, topk_length, schedule) -> None:
-    """The split plan of the sparse kernel (FlashMLA's: 64-token blocks over topk, fixed cost 5)."""
+    """The split plan of the sparse kernel, as the cute backend makes it (``resolve_sparse``: 64-token blocks over
+    topk; small plans with their own fixed cost)."""
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # planning on the host needs the lengths' values
     b, s_q, h_q, _ = q.shape

@@ -89,11 +89,14 @@ def is_sm90(device: torch.device) -> bool:
     return hit
 
 
-
 def device_facts(device: torch.device) -> DeviceFacts:
-    """The resolvers' facts of ``device`` (cached): an H200's for a device without the kernels."""
-    if not is_sm90(device):
+    """The resolvers' facts of ``device`` (cached): its SM count, and its cluster counts from the driver; a GPU
+    other than SM90 (which the reference backend plans for) its SM count and an H200's cluster counts, the CPU
+    an H200's."""
+    if device.type != "cuda":
         return HOPPER
+    if not is_sm90(device):
+        return DeviceFacts(num_sms(device), HOPPER.pair_clusters, HOPPER.quad_clusters)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _facts:
         _facts[idx] = DeviceFacts(num_sms(device), cluster_slots(device, 2, DENSE_SMEM_BYTES, DENSE_THREADS),

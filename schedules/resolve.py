@@ -162,6 +162,8 @@ def dense_precompile_steps(schedule: DenseDecodeSchedule, *, dtype: str, s_q: in
     ``evict_first_tiles``), with and without the combine."""
     out = []
     for ctas in dense_cluster_options(s_q, h_q, h_kv):
+        if ctas == 4 and _dense_split(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, 4, False).cluster_ctas != 4:
+            continue  # an experiment that takes the clusters apart plans as pairs (``resolve_dense``)
         parts, fill = _dense_parts(schedule, device, s_q, h_q, h_kv, ctas)
         policy = schedule.plan_policy(s_q * (h_q // h_kv))
         sched = SchedulerConfig(*policy, fill, schedule.idle_sm_fill_share) if fill else SchedulerConfig(*policy)
@@ -171,7 +173,7 @@ def dense_precompile_steps(schedule: DenseDecodeSchedule, *, dtype: str, s_q: in
             split = _dense_split(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, ctas, evict)
             for with_combine in (True, False):
                 out.append((DenseStepConfig(split, combine, with_combine, fill > 0), sched))
-    return out
+    return list(dict.fromkeys(out))
 
 
 def resolve_sparse(schedule: SparseDecodeSchedule, *, b: int, s_q: int, h_q: int, topk: int, has_sink: bool,

@@ -443,3 +443,23 @@ def test_sparse_decode_without_topk_length_loads_no_lengths():
         fn = compile_sparse(_sparse_step(2, 128, has_topk_length=given), options=OPTIONS)
         loads[given] = len(re.findall(r"\bld\.global\b", fn.__ptx__))
     assert loads[False] < loads[True], loads
+
+
+@pytest.mark.parametrize("fields", [
+    dict(s_q=1, group=64, cluster_ctas=2),  # one M tile: nothing to pair
+    dict(s_q=2, group=64, causal=True, cluster_ctas=2),  # causal pairs need 128 heads a KV head
+    dict(s_q=1, group=128, cluster_ctas=4),  # two M tiles cannot fill 4 CTAs
+    dict(s_q=1, group=128, cluster_ctas=3),
+    dict(s_q=1, group=128, cluster_ctas=2, kernel="serial"),
+])
+def test_dense_kernels_refuse_clusters_their_m_tiles_cannot_fill(fields):
+    """A config the resolver would never make (an experiment's rewrite can) is refused when the kernel is built."""
+    from mla_cute.kernels.dense_seesaw import DenseSeesawKernel
+    from mla_cute.kernels.dense_serial import DenseSerialKernel
+    from mla_cute.schedules import DenseSplitConfig
+
+    base = dict(dtype="bfloat16", h_kv=1, causal=False, page=64, cross_term_first=True, evict_first=False)
+    config = DenseSplitConfig(**{**base, **fields})
+    kernel = DenseSerialKernel if config.kernel == "serial" else DenseSeesawKernel
+    with pytest.raises(ValueError, match="cluster|CTAs"):
+        kernel(config)

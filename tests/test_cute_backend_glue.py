@@ -566,8 +566,11 @@ def test_cluster_slots_without_the_kernels(monkeypatch):
     monkeypatch.setattr(device, "is_sm90", lambda dev: False)
     gpu = torch.device("cuda", 0)
     assert [device.cluster_slots(gpu, c, 226 * 1024, 384) for c in (1, 2, 4)] == [132, 66, 30]
-    assert device.device_facts(gpu) == HOPPER and device.device_facts(torch.device("cpu")) == HOPPER
     assert device.num_sms(torch.device("cpu")) == 132
+    assert device.device_facts(torch.device("cpu")) == HOPPER
+    # Such a GPU plans with its own SM count (an A100's 108) and an H200's cluster counts.
+    monkeypatch.setattr(device, "num_sms", lambda dev: 108)
+    assert device.device_facts(gpu) == dataclasses.replace(HOPPER, num_sms=108)
 
 
 def test_precompile_sparse_configs(monkeypatch):

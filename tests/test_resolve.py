@@ -433,3 +433,42 @@ def test_sparse_precompile_kinds():
 def test_dense_smem_fits_a_hopper_cta():
     """Q, two 64 x 576 tiles, one P and the row buffers: over 225 KiB, within a Hopper CTA's 227 KiB."""
     assert 225 * 1024 < DENSE_SMEM_BYTES <= 232448
+
+
+def test_precompile_under_an_experiment_matches_its_calls():
+    """Inside an experiment that takes the clusters apart, precompile lists what the calls resolve to: no 4-CTA
+    or fill steps, and every resolved step is listed."""
+    import dataclasses
+
+    from mla_cute.schedules import experiment
+
+    def serial(c):
+        return dataclasses.replace(c, kernel="serial", cluster_ctas=1, cross_term_first=False)
+
+    shape = dict(dtype="bfloat16", s_q=2, h_q=128, h_kv=1, causal=True, page=64)
+    with experiment(serial):
+        steps = dense_precompile_steps(DEFAULT_DENSE_SCHEDULE, **shape)
+        assert steps and all(s.split.kernel == "serial" and not s.fill for s, _ in steps)
+        assert len(set(steps)) == len(steps)
+        for n in (4096, 8192, 65536):
+            call = resolve_dense(DEFAULT_DENSE_SCHEDULE, host_lengths=torch.full((128,), n), **shape)
+            assert (call.step, call.scheduler) in steps
+
+
+def test_reference_sparse_metadata_is_the_cute_plan():
+    """The reference backend fills the metadata with the plan the kernels would run, small plans' fixed cost
+    included (b = 2, s_q = 2, h_q = 128, topk 2048 is a small plan)."""
+    import mla_cute
+    from mla_cute import api
+    from mla_cute.schedules import plan_splits
+
+    q = torch.zeros(2, 2, 128, 576, dtype=torch.bfloat16)
+    call = resolve_sparse(DEFAULT_SPARSE_SCHEDULE, b=2, s_q=2, h_q=128, topk=2048, has_sink=False,
+                          has_topk_length=False)
+    assert call.scheduler.fixed_cost == DEFAULT_SPARSE_SCHEDULE.small_plan_fixed_cost
+    meta = mla_cute.get_mla_metadata()[0]
+    api._fill_sparse_reference_metadata(meta, q, 2048, None, DEFAULT_SPARSE_SCHEDULE)
+    records, splits = plan_splits(torch.full((2,), 2048), call.parts, 64, *call.scheduler.policy())
+    assert torch.equal(meta.num_splits, splits) and torch.equal(meta.tile_scheduler_metadata, records)
+    fifth = plan_splits(torch.full((2,), 2048), call.parts, 64, DEFAULT_SPARSE_SCHEDULE.split_fixed_cost)[1]
+    assert not torch.equal(splits, fifth), "the small plan's fixed cost changes this plan"
