@@ -114,6 +114,25 @@ def _dense_parts(schedule: DenseDecodeSchedule, device: DeviceFacts, s_q: int, h
     return parts, max(idle, 0) // (2 * (h_kv * m_tiles // 2))
 
 
+def _dense_plan(schedule: DenseDecodeSchedule, device: DeviceFacts, s_q: int, h_q: int, h_kv: int,
+                cluster_ctas: int) -> tuple[int, int, SchedulerConfig]:
+    """(parts with the fill parts, fill parts, the scheduler's config) of a plan of ``cluster_ctas``-CTA clusters."""
+    parts, fill = _dense_parts(schedule, device, s_q, h_q, h_kv, cluster_ctas)
+    policy = schedule.plan_policy(s_q * (h_q // h_kv))
+    sched = SchedulerConfig(*policy, fill, schedule.idle_sm_fill_share) if fill else SchedulerConfig(*policy)
+    return parts + fill, fill, sched
+
+
+def _dense_combine(schedule: DenseDecodeSchedule, dtype: str, s_q: int, group: int) -> CombineConfig:
+    return CombineConfig(dtype, group, s_q, False, schedule.combine_chunked_batch, schedule.combine_spread_partials)
+
+
+def _quad_kept(dtype: str, s_q: int, h_q: int, h_kv: int, causal: bool, page: int) -> bool:
+    """Whether the split config of 4-CTA clusters stays one after the experiment in force (one that takes the
+    clusters apart plans as the kernel it builds: pairs)."""
+    return _dense_split(dtype, s_q, h_q, h_kv, causal, page, 4, False).cluster_ctas == 4
+
+
 def resolve_dense(schedule: DenseDecodeSchedule, *, dtype: str, s_q: int, h_q: int, h_kv: int, causal: bool,
                   page: int, device: DeviceFacts = HOPPER, host_lengths=None) -> DenseCall:
     """The dense call's kernels and plan.  ``host_lengths``: the requests' lengths on the host (the first call
@@ -123,32 +142,21 @@ def resolve_dense(schedule: DenseDecodeSchedule, *, dtype: str, s_q: int, h_q: i
     part reads at most ``evict_first_tiles``, the cross term first with one M tile or any cluster, the
     combine left out where the plan splits no request."""
     causal = causal and s_q > 1
-    rows = s_q * (h_q // h_kv)
-    base_policy = schedule.plan_policy(rows)
     options = dense_cluster_options(s_q, h_q, h_kv)
     pairs = options[0]
-    combine = CombineConfig(dtype, h_q // h_kv, s_q, False, schedule.combine_chunked_batch,
-                            schedule.combine_spread_partials)
-
-    def plan(ctas):
-        parts, fill = _dense_parts(schedule, device, s_q, h_q, h_kv, ctas)
-        sched = SchedulerConfig(*base_policy, fill, schedule.idle_sm_fill_share) if fill else SchedulerConfig(*base_policy)
-        return parts + fill, fill, sched
-
-    capture_parts, capture_fill, capture_sched = plan(pairs)
+    combine = _dense_combine(schedule, dtype, s_q, h_q // h_kv)
+    capture_parts, capture_fill, capture_sched = _dense_plan(schedule, device, s_q, h_q, h_kv, pairs)
     capture = DenseStepConfig(_dense_split(dtype, s_q, h_q, h_kv, causal, page, pairs, False), combine, True,
                               capture_fill > 0)
     if host_lengths is None:
         return DenseCall(capture, capture, capture_parts, capture_fill, capture_sched)
     ctas = pairs
-    if 4 in options:
+    if 4 in options and _quad_kept(dtype, s_q, h_q, h_kv, causal, page):
         quad_parts, _ = _dense_parts(schedule, device, s_q, h_q, h_kv, 4)
-        if plan_facts(host_lengths, quad_parts, 64, *base_policy)[1] >= schedule.quad_multicast_tiles:
+        quad_policy = schedule.plan_policy(s_q * (h_q // h_kv))  # planned without the fill parts
+        if plan_facts(host_lengths, quad_parts, 64, *quad_policy)[1] >= schedule.quad_multicast_tiles:
             ctas = 4
-        # An experiment that takes the clusters apart plans as the kernel it builds.
-        if ctas == 4 and _dense_split(dtype, s_q, h_q, h_kv, causal, page, 4, False).cluster_ctas != 4:
-            ctas = pairs
-    parts, fill, sched = plan(ctas)
+    parts, fill, sched = _dense_plan(schedule, device, s_q, h_q, h_kv, ctas)
     split, busiest = plan_facts(host_lengths, parts, 64, *sched.policy())
     evict = busiest <= schedule.evict_first_tiles
     step = DenseStepConfig(_dense_split(dtype, s_q, h_q, h_kv, causal, page, ctas, evict), combine, split, fill > 0)
@@ -160,17 +168,15 @@ def dense_precompile_steps(schedule: DenseDecodeSchedule, *, dtype: str, s_q: in
     """Every (step, scheduler) a call of this shape can resolve to, for ``precompile``: each cluster size the
     shape allows, normal and evict-first loads (a 4-CTA plan's fill parts can bring its busiest part under
     ``evict_first_tiles``), with and without the combine."""
+    causal = causal and s_q > 1
+    combine = _dense_combine(schedule, dtype, s_q, h_q // h_kv)
     out = []
     for ctas in dense_cluster_options(s_q, h_q, h_kv):
-        if ctas == 4 and _dense_split(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, 4, False).cluster_ctas != 4:
-            continue  # an experiment that takes the clusters apart plans as pairs (``resolve_dense``)
-        parts, fill = _dense_parts(schedule, device, s_q, h_q, h_kv, ctas)
-        policy = schedule.plan_policy(s_q * (h_q // h_kv))
-        sched = SchedulerConfig(*policy, fill, schedule.idle_sm_fill_share) if fill else SchedulerConfig(*policy)
-        combine = CombineConfig(dtype, h_q // h_kv, s_q, False, schedule.combine_chunked_batch,
-                                schedule.combine_spread_partials)
+        if ctas == 4 and not _quad_kept(dtype, s_q, h_q, h_kv, causal, page):
+            continue
+        _, fill, sched = _dense_plan(schedule, device, s_q, h_q, h_kv, ctas)
         for evict in (False, True):
-            split = _dense_split(dtype, s_q, h_q, h_kv, causal and s_q > 1, page, ctas, evict)
+            split = _dense_split(dtype, s_q, h_q, h_kv, causal, page, ctas, evict)
             for with_combine in (True, False):
                 out.append((DenseStepConfig(split, combine, with_combine, fill > 0), sched))
     return list(dict.fromkeys(out))
@@ -183,18 +189,26 @@ def resolve_sparse(schedule: SparseDecodeSchedule, *, b: int, s_q: int, h_q: int
     producer whole, other plans split the crossover's producer in halves; the combine is left out when every
     request has ``topk`` tokens (no ``topk_length``), the plan splits none and no CUDA graph is being captured."""
     parts = schedule.num_sm_parts or sparse_num_sm_parts_for(device.num_sms, s_q, h_q)
-    small = schedule.small_plan(b, topk, parts)
-    crossover = -(-h_q // 64) % 2 == 0
-    split = SparseSplitConfig(s_q, h_q, has_sink, has_topk_length, crossover,
-                              producer_halves=crossover and not small, partials_16bit=small)
-    combine = CombineConfig("bfloat16", h_q, s_q, has_sink, schedule.combine_chunked_batch,
-                            schedule.combine_spread_partials)
-    sched = SchedulerConfig(*schedule.plan_policy(s_q * h_q, small))
+    split, combine, sched = _sparse_kernels(schedule, s_q, h_q, has_sink, has_topk_length,
+                                            schedule.small_plan(b, topk, parts))
     capture = SparseStepConfig(split, combine, True)
     step = capture
     if not has_topk_length and not capturing and not _topk_plan_has_split(b, topk, parts, sched.policy()):
         step = SparseStepConfig(split, combine, False)
     return SparseCall(step, capture, parts, sched)
+
+
+def _sparse_kernels(schedule: SparseDecodeSchedule, s_q: int, h_q: int, has_sink: bool, has_topk_length: bool,
+                    small: bool) -> tuple[SparseSplitConfig, CombineConfig, SchedulerConfig]:
+    """The split kernel's, the combine's and the scheduler's configs of a small plan or another: the crossover
+    where the 64-head tiles pair (with producer halves unless small), 16-bit partials and the small fixed cost
+    for small plans."""
+    crossover = -(-h_q // 64) % 2 == 0
+    split = SparseSplitConfig(s_q, h_q, has_sink, has_topk_length, crossover,
+                              producer_halves=crossover and not small, partials_16bit=small)
+    combine = CombineConfig("bfloat16", h_q, s_q, has_sink, schedule.combine_chunked_batch,
+                            schedule.combine_spread_partials)
+    return split, combine, SchedulerConfig(*schedule.plan_policy(s_q * h_q, small))
 
 
 def sparse_precompile_steps(schedule: SparseDecodeSchedule, *, s_q: int, h_q: int, has_sink: bool,
@@ -203,11 +217,7 @@ def sparse_precompile_steps(schedule: SparseDecodeSchedule, *, s_q: int, h_q: in
     combine and, without ``topk_length``, without it."""
     out = []
     for small in ((False, True) if schedule.small_plan_tiles else (False,)):
-        crossover = -(-h_q // 64) % 2 == 0
-        split = SparseSplitConfig(s_q, h_q, has_sink, has_topk_length, crossover, crossover and not small, small)
-        combine = CombineConfig("bfloat16", h_q, s_q, has_sink, schedule.combine_chunked_batch,
-                                schedule.combine_spread_partials)
-        sched = SchedulerConfig(*schedule.plan_policy(s_q * h_q, small))
+        split, combine, sched = _sparse_kernels(schedule, s_q, h_q, has_sink, has_topk_length, small)
         for with_combine in ((True,) if has_topk_length else (True, False)):
             out.append((SparseStepConfig(split, combine, with_combine), sched))
     return out

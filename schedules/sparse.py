@@ -46,8 +46,8 @@ class SparseDecodeSchedule:
     def plan_policy(self, rows: int, small: bool = False) -> tuple[int, int, int]:
         """The planner's (``fixed_cost``, ``unsplit_slack``, ``even_split_slack``) in blocks for requests of
         ``rows`` query rows (s_q x h_q), of a small plan or not."""
-        fixed = self.small_plan_fixed_cost if small else self.split_fixed_cost
-        return split_policy(dataclasses.replace(self, split_fixed_cost=fixed), rows)
+        fixed, unsplit, even = split_policy(self, rows)
+        return (self.small_plan_fixed_cost if small else fixed), unsplit, even
 
     def validate(self) -> None:
         """Reject impossible schedules, naming the field."""
