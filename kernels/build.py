@@ -14,7 +14,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor  # noqa: E402
 
 from ..schedules.configs import (CombineConfig, DenseStepConfig, SchedulerConfig,  # noqa: E402
-                                 SparseStepConfig)
+                                 SparsePrefillConfig, SparseStepConfig)
 from .constants import D_QK, D_V, DTYPES  # noqa: E402
 
 
@@ -180,4 +180,34 @@ def compile_sparse(step: SparseStepConfig, options: str = ""):
         return cute.compile(kernel, *args, options=compile_options(options))
 
     return cached_compile(("sparse_decode_fp8", step, options), build, describe=f"sparse decode {step}",
+                          persistent=not options)
+
+
+def sparse_prefill_signature(config: SparsePrefillConfig):
+    """Fake tensors matching ``SparsePrefillKernel.__call__``."""
+    s_q, s_kv, topk, h_q, d = _sym(), _sym(), _sym(), config.h_q, config.d_qk
+    bf16 = cutlass.BFloat16
+    # q and out pass 2^31 elements at s_q = 70000 (h_q = 128): their token strides are 64-bit.
+    q = make_fake_tensor(bf16, (s_q, h_q, d), (_s64(), _sym(8), 1), assumed_align=16)
+    kv = make_fake_tensor(bf16, (s_kv, d), (_s64(), 1), assumed_align=16)
+    indices = make_fake_tensor(cutlass.Int32, (s_q, topk), (_sym(1, 64), 1), assumed_align=4)
+    topk_len = make_fake_compact_tensor(cutlass.Int32, (s_q,), assumed_align=4) if config.has_topk_length else None
+    sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if config.has_sink else None
+    out = make_fake_tensor(bf16, (s_q, h_q, D_V), (_sym(8, 64), D_V, 1), assumed_align=16)
+    max_logits = make_fake_tensor(cutlass.Float32, (s_q, h_q), (_sym(1, 64), 1), assumed_align=4)
+    lse = make_fake_tensor(cutlass.Float32, (s_q, h_q), (_sym(1, 64), 1), assumed_align=4)
+    return (q, kv, indices, topk_len, sink, out, max_logits, lse, cutlass.Int32(1), *_scale_and_stream())
+
+
+def compile_sparse_prefill(config: SparsePrefillConfig, options: str = ""):
+    """The compiled sparse prefill kernel (``kernels/sparse_prefill.py``); without ``has_topk_length`` it takes
+    None there, without ``has_sink`` None for the sink."""
+
+    def build():
+        from .sparse_prefill import SparsePrefillKernel
+
+        return cute.compile(SparsePrefillKernel(config), *sparse_prefill_signature(config),
+                            options=compile_options(options))
+
+    return cached_compile(("sparse_prefill", config, options), build, describe=f"sparse prefill {config}",
                           persistent=not options)

@@ -414,7 +414,8 @@ def flash_mla_sparse_fwd(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse prefill attention.
 
-    q: ``[s_q, h_q, 576]`` bf16; kv: ``[s_kv, 1, 576]`` bf16; indices: int32
+    q: ``[s_q, h_q, d_qk]`` bf16 with d_qk 576 (512 latent + 64 RoPE features, DeepSeek V3.2) or 512 (the
+    latent part only: V4 and models without RoPE); kv: ``[s_kv, 1, d_qk]`` bf16; indices: int32
     ``[s_q, 1, topk]`` (valid when ``0 <= index < s_kv``); sm_scale: softmax scale, a finite
     float > 0 (as ``softmax_scale`` of :func:`flash_mla_with_kvcache`); d_v: must be 512;
     attn_sink: float32 ``[h_q]``; topk_length: int32 ``[s_q]``.  s_q, h_q and s_kv must be >= 1
@@ -429,7 +430,7 @@ def flash_mla_sparse_fwd(
     kind = select_backend(q.device, backend)
     if kind == "reference":
         return reference.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-    raise NotImplementedError("sparse prefill has no 'cute' kernel yet; pass backend='reference'")
+    return cute.sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length)
 
 
 def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens, causal, schedule,

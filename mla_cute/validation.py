@@ -206,16 +206,16 @@ def check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length) -> None:
     check_tensor("q", q, dim=3, dtypes=(torch.bfloat16,))
     check_device("q", q)
     s_q, h_q, d = q.shape
-    if d != D_QK:
-        raise ValueError(f"q must have head_dim {D_QK}, got {d}")
+    if d not in (D_QK, D_LATENT):
+        raise ValueError(f"q must have head_dim {D_QK} (latent and RoPE) or {D_LATENT} (latent only), got {d}")
     if s_q < 1 or h_q < 1:
         # FlashMLA cannot run these either (its TMA descriptors and grid need s_q >= 1, and h_q is 64 or 128).
         raise ValueError(f"q must have s_q and h_q >= 1, got shape {list(q.shape)}")
     if d_v != D_LATENT:
         raise ValueError(f"d_v must be {D_LATENT}, got {d_v}")
     check_tensor("kv", kv, dim=3, dtypes=(torch.bfloat16,))
-    if kv.shape[1] != 1 or kv.shape[2] != D_QK:
-        raise ValueError(f"kv must have shape [s_kv, 1, {D_QK}], got {list(kv.shape)}")
+    if kv.shape[1] != 1 or kv.shape[2] != d:
+        raise ValueError(f"kv must have shape [s_kv, 1, {d}] (q's head_dim), got {list(kv.shape)}")
     if kv.shape[0] < 1:
         raise ValueError(f"kv must have s_kv >= 1 tokens, got shape {list(kv.shape)}")
     check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))

@@ -1,13 +1,14 @@
 """Schedules as plain Python data, the split-KV planner, and the resolvers from a schedule and a call to
 frozen kernel configs (imported as ``mla_cute.schedules``)."""
 
-from .configs import (CombineConfig, DenseSplitConfig, DenseStepConfig, SchedulerConfig, SparseSplitConfig,
-                      SparseStepConfig)
+from .configs import (CombineConfig, DenseSplitConfig, DenseStepConfig, SchedulerConfig, SparsePrefillConfig,
+                      SparseSplitConfig, SparseStepConfig)
 from .dense import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
 from .planner import (RECORD_FIELDS, RECORD_SIZE, m_tiles_for, num_sm_parts_for, plan_facts, plan_has_split, plan_splits,
                       sparse_lengths, sparse_num_sm_parts_for)
-from .resolve import (HOPPER, DenseCall, DeviceFacts, SparseCall, dense_precompile_steps, experiment, resolve_dense,
-                      resolve_sparse, sparse_precompile_steps)
+from .resolve import (HOPPER, DenseCall, DeviceFacts, SparseCall, SparsePrefillCall, dense_precompile_steps,
+                      experiment, resolve_dense, resolve_sparse, resolve_sparse_prefill, sparse_precompile_steps,
+                      sparse_prefill_precompile_configs)
 from .sparse import DEFAULT_SPARSE_SCHEDULE, SparseDecodeSchedule
 
 __all__ = [
@@ -21,12 +22,16 @@ __all__ = [
     "SchedulerConfig",
     "SparseSplitConfig",
     "SparseStepConfig",
+    "SparsePrefillConfig",
+    "SparsePrefillCall",
     "DeviceFacts",
     "HOPPER",
     "DenseCall",
     "SparseCall",
     "resolve_dense",
     "resolve_sparse",
+    "resolve_sparse_prefill",
+    "sparse_prefill_precompile_configs",
     "dense_precompile_steps",
     "sparse_precompile_steps",
     "experiment",

@@ -11,8 +11,8 @@ import dataclasses
 import functools
 from typing import Callable, Optional
 
-from .configs import (CombineConfig, DenseSplitConfig, DenseStepConfig, SchedulerConfig, SparseSplitConfig,
-                      SparseStepConfig)
+from .configs import (CombineConfig, DenseSplitConfig, DenseStepConfig, SchedulerConfig, SparsePrefillConfig,
+                      SparseSplitConfig, SparseStepConfig)
 from .dense import DenseDecodeSchedule
 from .planner import m_tiles_for, num_sm_parts_for, plan_facts, plan_has_split, sparse_num_sm_parts_for
 from .sparse import SparseDecodeSchedule
@@ -230,3 +230,30 @@ def _topk_plan_has_split(b: int, topk: int, parts: int, policy: tuple) -> bool:
     import torch
 
     return plan_has_split(torch.full((b,), topk, dtype=torch.int64), parts, 64, *policy)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsePrefillCall:
+    """A sparse prefill call resolved: the kernel's config and its part count (CTAs a 64-head tile; each
+    serves an even share of the query tokens)."""
+
+    config: SparsePrefillConfig
+    parts: int
+
+
+def resolve_sparse_prefill(*, s_q: int, h_q: int, d_qk: int, has_sink: bool, has_topk_length: bool,
+                           device: DeviceFacts = HOPPER) -> SparsePrefillCall:
+    """The prefill call's kernel and parts.  Rules: one CTA an SM, the head tiles of a token side by side
+    (their CTAs read the same rows at about the same time, so the second read hits L2), never more parts than
+    tokens; the seesaw's cross term first."""
+    head_tiles = -(-h_q // 64)
+    parts = max(1, min(s_q, device.num_sms // head_tiles))
+    return SparsePrefillCall(SparsePrefillConfig(h_q, d_qk, has_sink, has_topk_length, cross_term_first=True), parts)
+
+
+def sparse_prefill_precompile_configs(*, h_q: int, d_qk: int, has_sink: bool,
+                                      has_topk_length: bool) -> list[SparsePrefillConfig]:
+    """Every kernel a prefill call of this configuration can resolve to (one: the part count is a launch
+    argument)."""
+    return [resolve_sparse_prefill(s_q=1, h_q=h_q, d_qk=d_qk, has_sink=has_sink,
+                                   has_topk_length=has_topk_length).config]

@@ -150,3 +150,35 @@ def make_sparse_case(b, s_q, h_q, s_k, topk, page, *, invalid_frac=0.1, out_of_r
     if attn_sink is not None:
         case["attn_sink"] = torch.as_tensor(attn_sink, dtype=torch.float32).to(device)
     return case
+
+
+def make_prefill_case(s_q, s_kv, topk, h_q, d_qk=576, *, all_invalid=False, invalid_frac=0.1, with_sink=False,
+                      with_topk_length=False, seed=0, device="cuda"):
+    """A sparse prefill case as FlashMLA's tests build it: q and kv normal bf16; each query picks min(topk, s_kv)
+    distinct rows of kv (-1 beyond that, so with topk > s_kv whole 64-index blocks hold nothing valid), a
+    fraction replaced by invalid values (-1, negative, s_kv and past it); ``all_invalid``: every index
+    invalid.  ``with_topk_length``: lengths drawn from [0, topk] (the first query's 0, the last's topk + 5);
+    ``with_sink``: sinks normal, the first +inf and the second -inf."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(s_q, h_q, d_qk, generator=gen, device=device).to(torch.bfloat16)
+    kv = torch.randn(s_kv, 1, d_qk, generator=gen, device=device).to(torch.bfloat16)
+    n = min(topk, s_kv)
+    idx = torch.full((s_q, topk), -1, dtype=torch.int64, device=device)
+    idx[:, :n] = torch.rand(s_q, s_kv, generator=gen, device=device).argsort(dim=1)[:, :n]
+    pool = torch.tensor([-1, -7, -(2**31), s_kv, s_kv + 3, 2**31 - 1], device=device)
+    bad = torch.rand(s_q, topk, generator=gen, device=device) < (1.0 if all_invalid else invalid_frac)
+    pick = torch.randint(len(pool), (s_q, topk), generator=gen, device=device)
+    idx = torch.where(bad, pool[pick], idx)
+    case = dict(q=q, kv=kv, indices=idx.to(torch.int32).view(s_q, 1, topk), sm_scale=d_qk ** -0.5)
+    if with_topk_length:
+        lens = torch.randint(0, topk + 1, (s_q,), generator=gen, device=device)
+        lens[0] = 0
+        lens[-1] = topk + 5
+        case["topk_length"] = lens.to(torch.int32)
+    if with_sink:
+        sink = torch.randn(h_q, generator=gen, device=device)
+        sink[0] = float("inf")
+        if h_q > 1:
+            sink[1] = -float("inf")
+        case["attn_sink"] = sink
+    return case

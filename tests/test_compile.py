@@ -463,3 +463,28 @@ def test_dense_kernels_refuse_clusters_their_m_tiles_cannot_fill(fields):
     kernel = DenseSerialKernel if config.kernel == "serial" else DenseSeesawKernel
     with pytest.raises(ValueError, match="cluster|CTAs"):
         kernel(config)
+
+
+@pytest.mark.parametrize("d_qk,has_sink,has_topk_length", [(576, False, False), (512, True, True)])
+def test_sparse_prefill_compiles_clean(capfd, d_qk, has_sink, has_topk_length):
+    """The prefill kernel: Q by TMA, the rows gathered by 16-byte cp.async with zero-fill (a register source
+    size), a commit group a sub-tile, each waited for and fenced for the async proxy before its arrival; S over
+    9 sub-tiles (8 without RoPE) of 4 k-blocks and P V over 4 k-blocks, in both warpgroups; no local memory, no
+    spills, WGMMA not serialized."""
+    from mla_cute.kernels.build import compile_sparse_prefill
+    from mla_cute.schedules import resolve_sparse_prefill
+
+    call = resolve_sparse_prefill(s_q=4096, h_q=128, d_qk=d_qk, has_sink=has_sink, has_topk_length=has_topk_length)
+    ptx = compile_sparse_prefill(call.config, options=OPTIONS).__ptx__
+    subs = 9 if d_qk == 576 else 8
+    assert "cp.async.bulk.tensor" in ptx
+    copies = re.findall(r"cp\.async\.cg\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], 16, %r\d+;", ptx)
+    assert len(copies) == 4 * 4 * subs, len(copies)  # 4 rows a thread, per sub-tile, in 4 places of the loop
+    assert ptx.count("cp.async.commit_group") == 4 * subs and "cp.async.mbarrier.arrive" not in ptx
+    assert len(re.findall(r"cp\.async\.wait_group\s+\d+;\s*fence\.proxy\.async\.shared::cta", ptx)) == 4 * subs
+    assert ptx.count("wgmma.mma_async") >= 2 * (subs * 4 + 4 * 4)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    err = capfd.readouterr().err
+    _assert_wgmma_not_serialized(err)
+    spills, _ = _ptxas_report(err)
+    assert spills and all(sp == (0, 0, 0) for sp in spills), spills

@@ -23,7 +23,7 @@ UNUSED_BLOCK = 2147480000
 
 
 def naive_attend(q_heads, keys, scale):
-    """q_heads [h_q, 576] f64; keys: list of [h_kv, 576] f64 rows, one per visible key.
+    """q_heads [h_q, d] f64 (d 576, or 512 for latent-only rows); keys: list of [h_kv, d] f64 rows, one per visible key.
 
     Head h reads KV head h // (h_q // h_kv).  Returns (out [h_q, 512], lse [h_q], max [h_q]).
     """
@@ -32,7 +32,7 @@ def naive_attend(q_heads, keys, scale):
         z = torch.zeros(h_q, dtype=torch.float64)
         return torch.zeros(h_q, D_V, dtype=torch.float64), z + INF, z - INF
     h_kv = keys[0].shape[0]
-    qg = q_heads.view(h_kv, h_q // h_kv, D_QK)
+    qg = q_heads.view(h_kv, h_q // h_kv, q_heads.shape[-1])
     scores = [(qg * k[:, None, :]).sum(-1).reshape(h_q) * scale for k in keys]
     m = scores[0]
     for s in scores[1:]:
@@ -92,9 +92,9 @@ def naive_sparse_decode(q, kv_tokens, indices, scale, topk_length=None, attn_sin
 
 
 def naive_sparse_prefill(q, kv, indices, scale, topk_length=None, attn_sink=None):
-    s_q, h_q, _ = q.shape
+    s_q, h_q, d_qk = q.shape
     s_kv = kv.shape[0]
-    kv64 = kv.double().reshape(s_kv, D_QK)
+    kv64 = kv.double().reshape(s_kv, d_qk)
     q64 = q.double()
     idx = indices.tolist()
     out = torch.zeros(s_q, h_q, D_V, dtype=torch.float64)
@@ -469,9 +469,9 @@ def test_sparse_decode_metadata_reuse():
 # ----------------------------------------------------------------------------- sparse prefill
 
 
-def make_prefill(s_q, h_q, s_kv, topk, gen):
-    q = torch.randn(s_q, h_q, D_QK, generator=gen).bfloat16()
-    kv = torch.randn(s_kv, 1, D_QK, generator=gen).bfloat16()
+def make_prefill(s_q, h_q, s_kv, topk, gen, d_qk=D_QK):
+    q = torch.randn(s_q, h_q, d_qk, generator=gen).bfloat16()
+    kv = torch.randn(s_kv, 1, d_qk, generator=gen).bfloat16()
     idx = torch.stack([torch.randperm(s_kv, generator=gen)[:topk] for _ in range(s_q)])
     bad_pool = torch.tensor([-1, -2, -(2**31), s_kv, s_kv + 1, 2**31 - 1])
     bad = torch.rand(idx.shape, generator=gen) < 0.3
@@ -480,13 +480,15 @@ def make_prefill(s_q, h_q, s_kv, topk, gen):
     return q, kv, idx.reshape(s_q, 1, topk).to(torch.int32)
 
 
+@pytest.mark.parametrize("d_qk", [D_QK, D_V])
 @pytest.mark.parametrize("h_q", [1, 16, 64])
 @pytest.mark.parametrize("with_topk_length", [False, True])
 @pytest.mark.parametrize("with_sink", [False, True])
-def test_sparse_prefill_matches_naive(h_q, with_topk_length, with_sink):
-    gen = torch.Generator().manual_seed(h_q + 2 * with_topk_length + 4 * with_sink)
+def test_sparse_prefill_matches_naive(h_q, with_topk_length, with_sink, d_qk):
+    """Both head dims: 576 (latent and RoPE) and 512 (latent only, scores and values over the same 512)."""
+    gen = torch.Generator().manual_seed(h_q + 2 * with_topk_length + 4 * with_sink + d_qk)
     s_q, s_kv, topk = 5, 70, 24
-    q, kv, indices = make_prefill(s_q, h_q, s_kv, topk, gen)
+    q, kv, indices = make_prefill(s_q, h_q, s_kv, topk, gen, d_qk)
     topk_length = torch.tensor([topk, 0, 7, topk, 100], dtype=torch.int32) if with_topk_length else None
     sink = None
     if with_sink:

@@ -17,7 +17,8 @@ import torch
 from ..device import device_facts
 from ..fp8 import FP8_BYTES_PER_TOKEN
 from ..schedules.dense import DenseDecodeSchedule
-from ..schedules.resolve import dense_precompile_steps, resolve_dense, resolve_sparse, sparse_precompile_steps
+from ..schedules.resolve import (dense_precompile_steps, resolve_dense, resolve_sparse, resolve_sparse_prefill,
+                                sparse_precompile_steps, sparse_prefill_precompile_configs)
 from ..schedules.sparse import SparseDecodeSchedule
 
 _LOG2_E = math.log2(math.e)
@@ -308,3 +309,37 @@ def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_to
         compile_sparse(step)
     for scheduler in dict.fromkeys(sched for _, sched in steps):
         compile_scheduler(scheduler)
+
+
+# ---------------------------------------------------------------- sparse prefill
+def sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length):
+    """out, max_logits, lse of ``flash_mla_sparse_fwd`` from the prefill kernel (one launch)."""
+    from ..kernels.build import compile_sparse_prefill
+
+    s_q, h_q, d_qk = q.shape
+    call = resolve_sparse_prefill(s_q=s_q, h_q=h_q, d_qk=d_qk, has_sink=attn_sink is not None,
+                                  has_topk_length=topk_length is not None, device=device_facts(q.device))
+    kernel = compile_sparse_prefill(call.config)
+    out = torch.empty(s_q, h_q, 512, dtype=q.dtype, device=q.device)
+    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    lse = torch.empty_like(max_logits)
+    rows = kv.select(1, 0)
+    indices = indices.select(1, 0)
+    kernel(
+        q if _aligned(q) else _packed_copy(q),
+        rows if _aligned(rows) else _packed_copy(rows),
+        indices if indices.stride(-1) == 1 else indices.contiguous(),
+        topk_length.contiguous() if topk_length is not None else None,
+        attn_sink.contiguous() if attn_sink is not None else None,
+        out, max_logits, lse, call.parts, sm_scale * _LOG2_E,
+    )
+    return out, max_logits, lse
+
+
+def precompile_sparse_prefill(h_q: int, d_qk: int, has_sink: bool, has_topk_length: bool) -> None:
+    """The prefill kernel a call of this configuration resolves to."""
+    from ..kernels.build import compile_sparse_prefill
+
+    for config in sparse_prefill_precompile_configs(h_q=h_q, d_qk=d_qk, has_sink=has_sink,
+                                                    has_topk_length=has_topk_length):
+        compile_sparse_prefill(config)

@@ -1,0 +1,103 @@
+"""Sparse prefill (``flash_mla_sparse_fwd``) timed side by side with FlashMLA's SM90 kernel.
+
+    python benchmarks/bench_prefill.py [--rows 0,3] [--rounds 5] [--out rows.json] [--check]
+
+Rows are FlashMLA's own performance cases (s_q 4096, attention sink on, random distinct indices within
+s_kv), plus h_q 16 and 32, which FlashMLA runs only padded to 64 heads (its time for 64 heads is the one
+compared).  Each round draws nothing new: the row's inputs are drawn once, then every round times FlashMLA
+and mla-cute once each (0.5 s of GPU work first, then the median of do_bench over the whole call), the
+order alternating; a row reports the medians over the rounds and ``ratio`` = FlashMLA's / ours.
+FLOPs = 2 * s_q * h_q * topk * (d_qk + 512).  ``--check``: each row's output against FlashMLA's first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import mla_cute  # noqa: E402
+from bench_decode import bench, warm_gpu  # noqa: E402
+from flashmla_side import flash_mla, median  # noqa: E402
+
+KEYS = ("d_qk", "h_q", "topk", "s_kv", "s_q")
+ROWS = ([(576, 128, 2048, s_kv, 4096) for s_kv in (8192, 32768, 65536, 98304, 131072)]
+        + [(512, 64, 512, s_kv, 4096) for s_kv in (8192, 32768, 49152, 65536)]
+        + [(512, 128, 1024, s_kv, 4096) for s_kv in (8192, 32768, 49152, 65536)]
+        + [(576, 32, 2048, 32768, 4096), (576, 16, 2048, 32768, 4096)])
+
+
+def make_inputs(d_qk, h_q, topk, s_kv, s_q, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(s_q, h_q, d_qk, generator=gen, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(s_kv, 1, d_qk, generator=gen, device="cuda").to(torch.bfloat16)
+    # Distinct random indices per query: the top topk of a random score over s_kv.
+    idx = torch.rand(s_q, s_kv, generator=gen, device="cuda").topk(topk, dim=1).indices
+    sink = torch.randn(max(h_q, 64), generator=gen, device="cuda")
+    return q, kv, idx.to(torch.int32).view(s_q, 1, topk), sink
+
+
+def flops(d_qk, h_q, topk, s_kv, s_q):
+    return 2 * s_q * h_q * topk * (d_qk + 512)
+
+
+def time_row(row, fm, rounds, check):
+    d_qk, h_q, topk, s_kv, s_q = row
+    q, kv, idx, sink = make_inputs(*row)
+    scale = d_qk ** -0.5
+    ours = lambda: mla_cute.flash_mla_sparse_fwd(q, kv, idx, scale, attn_sink=sink[:h_q], backend="cute")  # noqa: E731
+    fns = {"mla_cute": ours}
+    if fm is not None:
+        # FlashMLA takes 64 or 128 heads: fewer heads run padded to 64 (the work it would be given).
+        qf = q if h_q in (64, 128) else torch.cat([q, q.new_zeros(s_q, 64 - h_q, d_qk)], dim=1)
+        hf = qf.shape[1]
+        fns["flashmla"] = lambda: fm.flash_mla_sparse_fwd(qf, kv, idx, scale, attn_sink=sink[:hf], use_legacy=True)  # noqa: E731
+    rec = dict(zip(KEYS, row))
+    got = ours()
+    if check and fm is not None:
+        want = fns["flashmla"]()
+        rec["max_abs_vs_flashmla"] = float((got[0].float() - want[0][:, :h_q].float()).abs().max())
+        rec["lse_max_abs_vs_flashmla"] = float((got[2] - want[2][:, :h_q]).abs().max())
+    warm_gpu()
+    times = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            times[name].append(bench(fns[name]) * 1e3)
+    us = {name: median(t) for name, t in times.items()}
+    rec["us"] = us["mla_cute"]
+    rec["tflops"] = flops(*row) / us["mla_cute"] / 1e6
+    if "flashmla" in us:
+        rec["flashmla_us"] = us["flashmla"]
+        rec["flashmla_tflops"] = flops(d_qk, max(h_q, 64), topk, s_kv, s_q) / us["flashmla"] / 1e6
+        rec["ratio"] = us["flashmla"] / us["mla_cute"]
+    rec["times"] = times
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="", help="comma-separated row numbers (default: all)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    rows = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
+    fm = flash_mla()
+    print("FlashMLA:", "imported, timed in the same rounds" if fm is not None else "not importable: mla-cute alone")
+    out = []
+    for row in rows:
+        rec = time_row(row, fm, args.rounds, args.check)
+        out.append(rec)
+        print(json.dumps({k: v for k, v in rec.items() if k != "times"}), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Sparse prefill kernel (``flash_mla_sparse_fwd``) on the H200 against the reference: FlashMLA's prefill test
+grid (d_qk 576 and 512, h_q 128 and 64, and here 32 and 16 too), attention sinks and topk_length, all
+indices invalid, blocks without a valid index, and a long prompt.
+
+Tolerances.  The inputs are unit normal q and kv with scale d_qk^-0.5 (scores of unit spread: peaked softmaxes,
+outputs up to about 2), harsher than the tenth-scaled inputs of the decode tests.  On them FlashMLA's own kernel
+misses FlashMLA's elementwise rule (abs 8e-4 or rel 2.01/128) on up to 4% of the elements (measured on the H200:
+both kernels round P to bf16 for P V and differ from the fp32 reference by a bf16 step of the larger outputs),
+so out is checked by the cosine rule of FlashMLA's prefill tests (1 - cos below 1e-5; both kernels measured
+about 2.5e-6) and elementwise within rel 3.01/128 or abs max(8e-4, 2^-7 of the largest output: two bf16 steps
+of it).  lse and max_logits within 1e-5 relative or 1e-5 absolute: fp32 sums of fp32 scores, which differ
+from the reference's in the order of the additions (both kernels measured up to 5e-6 absolute near 0)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_cute
+from gpu_cases import assert_close_flashmla, make_prefill_case, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+OUT_ABS, OUT_REL, OUT_COS = 8e-4, 3.01 / 128, 1e-5
+STAT_ABS, STAT_REL = 1e-5, 1e-5
+
+SHAPES = [(128, 128), (256, 256), (512, 512), (592, 128), (1840, 256), (1592, 384), (1521, 512), (95, 128),
+          (153, 256), (114, 384)]
+GRID = [(d, h, s_kv, topk, s_q) for d in (576, 512) for h in (128, 64, 32, 16) for s_kv, topk in SHAPES
+        for s_q in (1, 62, 213)]
+
+
+def run_and_check(case, *, sample=None):
+    """The cute kernel against the reference on ``case`` (outputs poisoned first); ``sample``: compare these
+    query tokens only (a long prompt)."""
+    poison_allocator()
+    out, max_logits, lse = mla_cute.flash_mla_sparse_fwd(**case, backend="cute")
+    torch.cuda.synchronize()
+    ref_case = dict(case)
+    if sample is not None:
+        ref_case["q"], ref_case["indices"] = case["q"][sample], case["indices"][sample]
+        if "topk_length" in case:
+            ref_case["topk_length"] = case["topk_length"][sample]
+        out, max_logits, lse = out[sample], max_logits[sample], lse[sample]
+    ref_out, ref_max, ref_lse = mla_cute.flash_mla_sparse_fwd(**ref_case, backend="reference")
+    assert out.dtype == torch.bfloat16 and out.shape == ref_out.shape
+    out_abs = max(OUT_ABS, 2**-7 * float(ref_out.float().abs().max()))
+    assert_close_flashmla("out", out, ref_out, out_abs, OUT_REL, OUT_COS)
+    assert_close_flashmla("lse", lse, ref_lse, STAT_ABS, STAT_REL)
+    assert_close_flashmla("max_logits", max_logits, ref_max, STAT_ABS, STAT_REL)
+    return out, max_logits, lse
+
+
+@pytest.mark.parametrize("options", [False, True], ids=["plain", "sink+topk_length"])
+@pytest.mark.parametrize("d_qk,h_q,s_kv,topk,s_q", GRID)
+def test_prefill_grid(d_qk, h_q, s_kv, topk, s_q, options):
+    case = make_prefill_case(s_q, s_kv, topk, h_q, d_qk, with_sink=options, with_topk_length=options,
+                             seed=s_q + s_kv + topk + h_q)
+    run_and_check(case)
+
+
+@pytest.mark.parametrize("d_qk", [576, 512])
+@pytest.mark.parametrize("s_q,s_kv,topk", [(1, 128, 128), (1, 256, 256), (1234, 4321, 4096), (4096, 2048, 2048)])
+def test_all_indices_invalid(d_qk, s_q, s_kv, topk):
+    out, max_logits, lse = run_and_check(make_prefill_case(s_q, s_kv, topk, 128, d_qk, all_invalid=True))
+    assert torch.all(out == 0) and torch.all(lse == float("inf")) and torch.all(max_logits == -float("inf"))
+
+
+@pytest.mark.parametrize("options", [False, True], ids=["plain", "sink+topk_length"])
+@pytest.mark.parametrize("s_q", [1, 1024])
+@pytest.mark.parametrize("s_kv,topk", [(32, 2048), (64, 8192)])
+def test_blocks_without_valid_indices(s_kv, topk, s_q, options):
+    run_and_check(make_prefill_case(s_q, s_kv, topk, 128, 576, with_sink=options, with_topk_length=options))
+
+
+@pytest.mark.parametrize("h_q", [1, 8, 48, 80, 100])
+def test_head_counts_flashmla_lacks(h_q):
+    run_and_check(make_prefill_case(62, 1840, 256, h_q, 576, with_sink=True, with_topk_length=True))
+
+
+def test_long_prompt():
+    """s_q = 70000 at (s_kv, topk) = (256, 256): every token written, a sample of them checked."""
+    case = make_prefill_case(70000, 256, 256, 128, 576)
+    sample = torch.cat([torch.arange(0, 70000, 997), torch.arange(69990, 70000)]).cuda()
+    out, max_logits, lse = mla_cute.flash_mla_sparse_fwd(**case, backend="cute")
+    assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
+    run_and_check(case, sample=sample)
+
+
+def test_non_contiguous_inputs():
+    """q, kv and indices as strided views (q's heads every other row of a wider tensor)."""
+    case = make_prefill_case(62, 592, 128, 64, 576)
+    wide = torch.randn(62, 128, 576, device="cuda").to(torch.bfloat16)
+    wide[:, ::2] = case["q"]
+    kv_wide = torch.randn(592, 1, 1152, device="cuda").to(torch.bfloat16)
+    kv_wide[..., :576] = case["kv"]
+    idx_wide = torch.zeros(62, 1, 256, dtype=torch.int32, device="cuda")
+    idx_wide[..., ::2] = case["indices"]
+    run_and_check(dict(case, q=wide[:, ::2], kv=kv_wide[..., :576], indices=idx_wide[..., ::2]))
+
+
+def test_inference_mode_and_cuda_graph():
+    case = make_prefill_case(213, 1521, 512, 128, 576, with_sink=True, with_topk_length=True)
+    with torch.inference_mode():
+        want = mla_cute.flash_mla_sparse_fwd(**case, backend="cute")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = mla_cute.flash_mla_sparse_fwd(**case, backend="cute")
+        graph.replay()
+        torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
