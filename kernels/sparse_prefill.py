@@ -389,15 +389,15 @@ class SparsePrefillKernel(DenseSeesawKernel):
             if req == work.begin_req:
                 self.load_q_when_free(ld, req, q_phase, q_warp)
             if first < last:
-                self.gather_tile(ld, rows, src, sBias, 0, free_phase, req, first, last, ahead)
+                self.gather_tile(ld, rows, src, sBias, 0, free_phase, req, first, last, ahead, q_warp)
             if first + 1 < last:
-                self.gather_tile(ld, rows, src, sBias, 1, free_phase, req, first + 1, last, ahead)
+                self.gather_tile(ld, rows, src, sBias, 1, free_phase, req, first + 1, last, ahead, q_warp)
             if req != work.begin_req:
                 self.load_q_when_free(ld, req, q_phase, q_warp)
             for blk in cutlass.range(first + 2, last, 2, unroll=1):
-                self.gather_tile(ld, rows, src, sBias, 0, free_phase, req, blk, last, ahead)
+                self.gather_tile(ld, rows, src, sBias, 0, free_phase, req, blk, last, ahead, q_warp)
                 if blk + 1 < last:
-                    self.gather_tile(ld, rows, src, sBias, 1, free_phase, req, blk + 1, last, ahead)
+                    self.gather_tile(ld, rows, src, sBias, 1, free_phase, req, blk + 1, last, ahead, q_warp)
             if last <= first:
                 # No tile: the lookahead still moves on to the next token's first tile.
                 src.load_indices(rows.row0, ahead[1], 0, ahead[2])
@@ -414,9 +414,15 @@ class SparsePrefillKernel(DenseSeesawKernel):
         q_phase[0] = q_phase[0] ^ 1
 
     @cute.jit
-    def gather_tile(self, ld, rows, src, sBias, buf: cutlass.Constexpr, free_phase, req, blk, last, ahead):
+    def gather_tile(self, ld, rows, src, sBias, buf: cutlass.Constexpr, free_phase, req, blk, last, ahead, q_warp):
         """Tile ``blk`` of token ``req`` into buffer ``buf``, half by half as each is handed back, in the
-        consumers' order; loads the indices of the thread's next tile meanwhile."""
+        consumers' order; loads the indices of the thread's next tile meanwhile.  At a token's last tile the
+        first warp pulls the next token's Q into L2: its load waits for this token's epilogue, and then reads
+        L2 instead of memory."""
+        if q_warp:
+            if (blk + 1 == last) & (ahead[1] != req):
+                with cute.arch.elect_one():
+                    cute.prefetch(ld.tma_atom_q, ld.tQgQ[None, ld.m_tile, 0, ahead[1]])
         idx = cute.make_rmem_tensor((ROUNDS,), cutlass.Int32)
         ok = cute.make_rmem_tensor((ROUNDS,), cutlass.Int32)
         idx.store(src.next_idx.load())

@@ -14,10 +14,10 @@ from typing import Optional
 
 import torch
 
-from ..device import device_facts
+from ..device import device_facts, num_sms
 from ..fp8 import FP8_BYTES_PER_TOKEN
 from ..schedules.dense import DenseDecodeSchedule
-from ..schedules.resolve import (dense_precompile_steps, resolve_dense, resolve_sparse, resolve_sparse_prefill,
+from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, resolve_dense, resolve_sparse, resolve_sparse_prefill,
                                 sparse_precompile_steps, sparse_prefill_precompile_configs)
 from ..schedules.sparse import SparseDecodeSchedule
 
@@ -318,7 +318,8 @@ def sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length):
 
     s_q, h_q, d_qk = q.shape
     call = resolve_sparse_prefill(s_q=s_q, h_q=h_q, d_qk=d_qk, has_sink=attn_sink is not None,
-                                  has_topk_length=topk_length is not None, device=device_facts(q.device))
+                                  has_topk_length=topk_length is not None,
+                                  device=DeviceFacts(num_sms=num_sms(q.device)))
     kernel = compile_sparse_prefill(call.config)
     out = torch.empty(s_q, h_q, 512, dtype=q.dtype, device=q.device)
     max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
