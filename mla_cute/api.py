@@ -464,6 +464,8 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64) and ``schedule``.
     Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
     ``attn_sink`` and ``topk_length`` (False: whether calls pass one) and ``schedule``.
+    Sparse prefill (:func:`flash_mla_sparse_fwd`): a dict with ``prefill=True``, ``h_q`` and optionally
+    ``d_qk`` (576 or 512; 576), ``attn_sink`` and ``topk_length`` (False); one kernel each.
     ``schedule`` (keyword) is the default for configurations of its kind.  Every kernel a call of the
     configuration can resolve to is built (``mla_cute.schedules.dense_precompile_steps`` and
     ``sparse_precompile_steps``): for dense decode normal and evict-first loads, each with and without the
@@ -475,6 +477,10 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     count = 0
     for i, cfg in enumerate(configs):
         cfg = dict(cfg)
+        if cfg.pop("prefill", False):
+            _precompile_prefill(i, cfg)
+            count += 1
+            continue
         sparse = bool(cfg.pop("sparse", False))
         required = {"s_q", "h_q"} if sparse else {"dtype", "s_q", "h_q", "h_kv"}
         allowed = required | ({"attn_sink", "topk_length", "schedule"} if sparse
@@ -507,3 +513,16 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
                               sched)
         count += 1
     return count
+
+
+def _precompile_prefill(i: int, cfg: dict) -> None:
+    """``precompile``'s prefill configuration ``i`` (``prefill`` already taken out)."""
+    extra = cfg.keys() - {"h_q", "d_qk", "attn_sink", "topk_length"}
+    if extra:
+        raise ValueError(f"precompile config {i} has unknown keys {sorted(extra)}")
+    h_q, d_qk = cfg.get("h_q"), cfg.get("d_qk", D_QK)
+    if not isinstance(h_q, int) or isinstance(h_q, bool) or h_q < 1:
+        raise ValueError(f"precompile config {i}: h_q must be an int >= 1, got {h_q!r}")
+    if d_qk not in (D_QK, 512):
+        raise ValueError(f"precompile config {i}: d_qk must be {D_QK} or 512, got {d_qk!r}")
+    cute.precompile_sparse_prefill(h_q, d_qk, bool(cfg.get("attn_sink", False)), bool(cfg.get("topk_length", False)))

@@ -591,6 +591,37 @@ def test_precompile_sparse_configs(monkeypatch):
         mla_cute.precompile([dict(sparse=True, s_q=2, h_q=0)])
 
 
+def test_precompile_prefill_configs(monkeypatch):
+    import mla_cute
+    from mla_cute.backends import cute
+
+    seen = []
+    monkeypatch.setattr(cute, "precompile_sparse_prefill", lambda *a: seen.append(a))
+    assert mla_cute.precompile([dict(prefill=True, h_q=32), dict(prefill=True, h_q=128, d_qk=512, attn_sink=True,
+                                                                 topk_length=True)]) == 2
+    assert seen == [(32, 576, False, False), (128, 512, True, True)]
+    with pytest.raises(ValueError, match="unknown keys"):
+        mla_cute.precompile([dict(prefill=True, h_q=64, s_q=2)])
+    with pytest.raises(ValueError, match="h_q must be an int"):
+        mla_cute.precompile([dict(prefill=True, h_q=True)])
+    with pytest.raises(ValueError, match="d_qk must be 576 or 512"):
+        mla_cute.precompile([dict(prefill=True, h_q=64, d_qk=448)])
+
+
+def test_prefill_resolves_parts_per_head_tile():
+    """One CTA an SM: parts = SMs / head tiles, never more than the tokens; the config carries what the kernel
+    compiles from."""
+    from mla_cute.schedules import DeviceFacts, resolve_sparse_prefill
+
+    call = resolve_sparse_prefill(s_q=4096, h_q=128, d_qk=576, has_sink=True, has_topk_length=False)
+    assert call.parts == 66 and call.config.h_q == 128 and call.config.has_sink and not call.config.has_topk_length
+    assert resolve_sparse_prefill(s_q=4096, h_q=100, d_qk=512, has_sink=False, has_topk_length=True).parts == 66
+    assert resolve_sparse_prefill(s_q=4096, h_q=64, d_qk=512, has_sink=False, has_topk_length=False).parts == 132
+    assert resolve_sparse_prefill(s_q=7, h_q=16, d_qk=576, has_sink=False, has_topk_length=False).parts == 7
+    assert resolve_sparse_prefill(s_q=4096, h_q=192, d_qk=576, has_sink=False, has_topk_length=False,
+                                  device=DeviceFacts(num_sms=114)).parts == 38
+
+
 def test_misaligned_contiguous_q_is_copied_to_aligned_storage(recorder, sparse_recorder):
     """A contiguous q whose base is off 16 bytes (a view one element in) reaches the kernels as an
     aligned copy: TMA cannot read it in place, and ``contiguous()`` would hand it back unchanged."""
