@@ -18,7 +18,7 @@ sP1, each buffer half handed back to the loader once the last MMA reading it is 
     (``row_maxima``);
   * the true row max (the seesaw's shared max moves only past ``MAX_SLACK``) is kept per thread for
     ``max_logits``, and the epilogue writes out, lse and max_logits of every token (no split-KV);
-  * d_qk = 512 (config ``rope`` False): Q's RoPE columns and the kv rows' are neither loaded nor
+  * d_qk = 512 (config ``d_qk``): Q's RoPE columns and the kv rows' are neither loaded nor
     multiplied (sub-tile 8 is left out of S).
 A token with no tile (topk_length 0) writes out 0, lse +inf, max_logits -inf; a tile whose indices are
 all invalid is computed (its P is 0).
@@ -81,12 +81,12 @@ class SparsePrefillKernel(DenseSeesawKernel):
 
     def __init__(self, config: SparsePrefillConfig):
         self.dtype = cutlass.BFloat16
-        self.h_q = config.h_q
         self.m_tiles = -(-config.h_q // BLOCK_M)
         self.rope = config.d_qk == D_QK
         self.d_qk = config.d_qk
-        self.has_sink = config.has_sink
-        self.cross_term_first = config.cross_term_first
+        # The seesaw's order with the cross term first (FlashMLA's order, the cross term last, spills at 232
+        # registers a consumer warpgroup).
+        self.cross_term_first = True
         # The seesaw consumers' facts: one token per M tile, its heads the rows, no causal mask, no cluster.
         self.rows = config.h_q
         self.group = config.h_q

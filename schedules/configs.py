@@ -118,11 +118,9 @@ class SparseStepConfig:
 @dataclasses.dataclass(frozen=True)
 class SparsePrefillConfig:
     """One sparse prefill kernel (``kernels/sparse_prefill.py``): ``h_q`` heads of bf16 q, d_qk 576 (latent and
-    RoPE) or 512 (latent only), with an attention sink, with per-token ``topk_length``; the seesaw's cross
-    term first or FlashMLA's order."""
+    RoPE) or 512 (latent only), with an attention sink, with per-token ``topk_length``."""
 
     h_q: int
     d_qk: int
     has_sink: bool
     has_topk_length: bool
-    cross_term_first: bool

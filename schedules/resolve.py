@@ -245,10 +245,9 @@ def resolve_sparse_prefill(*, s_q: int, h_q: int, d_qk: int, has_sink: bool, has
                            device: DeviceFacts = HOPPER) -> SparsePrefillCall:
     """The prefill call's kernel and parts.  Rules: one CTA an SM, the head tiles of a token side by side
     (their CTAs read the same rows at about the same time, so the second read hits L2), never more parts than
-    tokens; the seesaw's cross term first."""
-    head_tiles = -(-h_q // 64)
-    parts = max(1, min(s_q, device.num_sms // head_tiles))
-    return SparsePrefillCall(SparsePrefillConfig(h_q, d_qk, has_sink, has_topk_length, cross_term_first=True), parts)
+    tokens."""
+    parts = max(1, min(s_q, device.num_sms // m_tiles_for(1, h_q, 1)))
+    return SparsePrefillCall(SparsePrefillConfig(h_q, d_qk, has_sink, has_topk_length), parts)
 
 
 def sparse_prefill_precompile_configs(*, h_q: int, d_qk: int, has_sink: bool,
