@@ -1,6 +1,6 @@
 """Sparse prefill (``flash_mla_sparse_fwd``) timed side by side with FlashMLA's SM90 kernel.
 
-    python benchmarks/bench_prefill.py [--rows 0,3] [--rounds 5] [--out rows.json] [--check]
+    python benchmarks/bench_prefill.py [--rows 0,3] [--prompt] [--rounds 5] [--out rows.json] [--check]
 
 Rows are FlashMLA's own performance cases (s_q 4096, attention sink on, random distinct indices within
 s_kv), plus h_q 16 and 32, which FlashMLA runs only padded to 64 heads (its time for 64 heads is the one
@@ -8,6 +8,9 @@ compared).  Each round draws nothing new: the row's inputs are drawn once, then 
 and mla-cute once each (0.5 s of GPU work first, then the median of do_bench over the whole call), the
 order alternating; a row reports the medians over the rounds and ``ratio`` = FlashMLA's / ours.
 FLOPs = 2 * s_q * h_q * topk * (d_qk + 512).  ``--check``: each row's output against FlashMLA's first.
+``--prompt``: the prompt rows instead: kv is the prompt itself (s_kv = s_q) and token i picks min(i + 1, topk)
+of the keys 0..i, the rest of its list -1, as an indexer over a causal prompt gives (FLOPs counted as if every
+index were valid).
 """
 
 from __future__ import annotations
@@ -30,14 +33,20 @@ ROWS = ([(576, 128, 2048, s_kv, 4096) for s_kv in (8192, 32768, 65536, 98304, 13
         + [(512, 64, 512, s_kv, 4096) for s_kv in (8192, 32768, 49152, 65536)]
         + [(512, 128, 1024, s_kv, 4096) for s_kv in (8192, 32768, 49152, 65536)]
         + [(576, 32, 2048, 32768, 4096), (576, 16, 2048, 32768, 4096)])
+PROMPT_ROWS = [(576, 128, 2048, 4096, 4096), (576, 128, 2048, 8192, 8192), (512, 64, 512, 4096, 4096),
+               (512, 128, 1024, 4096, 4096)]
 
 
-def make_inputs(d_qk, h_q, topk, s_kv, s_q, seed=0):
+def make_inputs(d_qk, h_q, topk, s_kv, s_q, seed=0, prompt=False):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(s_q, h_q, d_qk, generator=gen, device="cuda").to(torch.bfloat16)
     kv = torch.randn(s_kv, 1, d_qk, generator=gen, device="cuda").to(torch.bfloat16)
     # Distinct random indices per query: the top topk of a random score over s_kv.
-    idx = torch.rand(s_q, s_kv, generator=gen, device="cuda").topk(topk, dim=1).indices
+    score = torch.rand(s_q, s_kv, generator=gen, device="cuda")
+    if prompt:  # token i sees keys 0..i: the others score -1 and come last, as -1
+        score.masked_fill_(torch.ones(s_q, s_kv, dtype=torch.bool, device="cuda").triu(1), -1.0)
+    top = score.topk(topk, dim=1)
+    idx = top.indices.masked_fill(top.values < 0, -1)
     sink = torch.randn(max(h_q, 64), generator=gen, device="cuda")
     return q, kv, idx.to(torch.int32).view(s_q, 1, topk), sink
 
@@ -46,9 +55,9 @@ def flops(d_qk, h_q, topk, s_kv, s_q):
     return 2 * s_q * h_q * topk * (d_qk + 512)
 
 
-def time_row(row, fm, rounds, check):
+def time_row(row, fm, rounds, check, prompt=False):
     d_qk, h_q, topk, s_kv, s_q = row
-    q, kv, idx, sink = make_inputs(*row)
+    q, kv, idx, sink = make_inputs(*row, prompt=prompt)
     scale = d_qk ** -0.5
     ours = lambda: mla_cute.flash_mla_sparse_fwd(q, kv, idx, scale, attn_sink=sink[:h_q], backend="cute")  # noqa: E731
     fns = {"mla_cute": ours}
@@ -57,7 +66,7 @@ def time_row(row, fm, rounds, check):
         qf = q if h_q in (64, 128) else torch.cat([q, q.new_zeros(s_q, 64 - h_q, d_qk)], dim=1)
         hf = qf.shape[1]
         fns["flashmla"] = lambda: fm.flash_mla_sparse_fwd(qf, kv, idx, scale, attn_sink=sink[:hf], use_legacy=True)  # noqa: E731
-    rec = dict(zip(KEYS, row))
+    rec = dict(zip(KEYS, row), indices="prompt" if prompt else "random")
     got = ours()
     if check and fm is not None:
         want = fns["flashmla"]()
@@ -85,13 +94,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--prompt", action="store_true", help="the prompt rows (PROMPT_ROWS)")
     args = ap.parse_args()
-    rows = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
+    table = PROMPT_ROWS if args.prompt else ROWS
+    rows = [table[int(i)] for i in args.rows.split(",")] if args.rows else table
     fm = flash_mla()
     print("FlashMLA:", "imported, timed in the same rounds" if fm is not None else "not importable: mla-cute alone")
     out = []
     for row in rows:
-        rec = time_row(row, fm, args.rounds, args.check)
+        rec = time_row(row, fm, args.rounds, args.check, args.prompt)
         out.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "times"}), flush=True)
     if args.out:
