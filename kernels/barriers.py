@@ -26,12 +26,6 @@ class SeesawBarrier(enum.IntEnum):
     P0_READ = 8  # cross term first, WG1 -> WG0: P0 V0_R has read sP0 (instead of P0_READY and P1_ISSUED)
 
 
-class PrefillBarrier(enum.IntEnum):
-    """The sparse prefill's load warpgroup (its consumers use ``SeesawBarrier``'s ids, so these follow them)."""
-
-    TILE_MASK = 9  # the load warpgroup's 128 threads: a token's tile mask is cleared, or built
-
-
 class SparseBarrier(enum.IntEnum):
     """The sparse FP8 decode kernel's leader and follower (``leader_follower.py``, ``sparse_decode_fp8.py``)."""
 

@@ -20,19 +20,13 @@ sP1, each buffer half handed back to the loader once the last MMA reading it is 
     ``max_logits``, and the epilogue writes out, lse and max_logits of every token (no split-KV);
   * d_qk = 512 (config ``d_qk``): Q's RoPE columns and the kv rows' are neither loaded nor
     multiplied (sub-tile 8 is left out of S).
-  * a token's 64-index blocks without a valid index (all invalid, or at or past ``topk_length``) are
-    skipped: before a token's tiles the loader marks, one bit a block, the blocks holding a valid index (a
-    warp's ballot over 32 indices, OR-ed into the token's mask in shared memory), and the token's tiles are its
-    marked blocks in order; the count goes to the consumers with Q (written before Q's arrival, read after
-    its wait).  Blocks past the mask's ``MASK_TILES`` (topk above 16 384) are all served.
-A token with no tile (topk_length 0, or no valid index) writes out 0, lse +inf, max_logits -inf.
+A token with no tile (topk_length 0) writes out 0, lse +inf, max_logits -inf; a tile whose indices are
+all invalid is computed (its P is 0).
 
 Warpgroup roles (384 threads, one CTA per SM; setmaxnreg 232 / 232 / 40):
   WG0, WG1  the seesaw consumers (as in dense decode).
-  WG2       the gather: the next token's mask built before this token's tiles (``TileMask``), the
-            indices of the next tile loaded while this tile's rows are copied; its first warp also issues
-            Q's TMA load (and writes the token's tile count), once WG0 hands Q's bytes back after a token's
-            epilogue.
+  WG2       the gather: indices of the next tile loaded while this tile's rows are copied; its first
+            warp also issues Q's TMA load, once WG0 hands Q's bytes back after a token's epilogue.
 
 Shared-memory plan (bf16; bytes):
   sQ      64 x 576                        73 728  (RoPE part in registers once Q lands, then sP1;
@@ -41,10 +35,8 @@ Shared-memory plan (bf16; bytes):
   sP0     64 x 64                          8 192
   sM, sScale, sSum, sTrueMax  4 x [64][2] fp32   2 048
   sBias   [2][64] fp32                       512
-  sMask   [2][8] int32 (tokens by parity)     64  (the loader's own)
-  sTiles  int32 (+ pad)                        8  (the token's tile count, released with Q)
   mbarriers: Q; K sub-tiles [2][9] (128 arrivals each); free [2][2]; Q free
-Named barriers: ``barriers.SeesawBarrier`` (the consumers'), ``barriers.PrefillBarrier`` (the loader's).
+Named barriers: ``barriers.SeesawBarrier`` (the consumers').
 """
 
 from __future__ import annotations
@@ -62,7 +54,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from ..schedules.configs import SparsePrefillConfig
-from .barriers import PrefillBarrier, SeesawBarrier
+from .barriers import SeesawBarrier
 from .constants import BLOCK_M, BLOCK_N, D_QK, D_V, LN_2, LOG2_E
 from .dense_seesaw import V_L_SUBS, V_R_SUBS, DenseSeesawKernel, half_of
 from .epilogue import StagedRows
@@ -78,9 +70,6 @@ ROUNDS = BLOCK_N // ROWS_PER_PASS  # 4 rows per thread per tile
 SUB_ELEMS = BLOCK_N * SUB  # one 64 x 64 sub-tile (a column block of a K stage)
 STAGE_ELEMS = BLOCK_N * D_QK
 NO_END = 1 << 30  # a part's last token is served whole
-MASK_WORDS = 8  # a token's tile mask: one bit a 64-index block
-MASK_TILES = 32 * MASK_WORDS  # blocks the mask covers (topk up to 16 384); those past it are all served
-SCAN_UNROLL = 4  # mask building: index loads a thread has in flight (128 threads, one index each)
 
 
 class SparsePrefillKernel(DenseSeesawKernel):
@@ -149,8 +138,6 @@ class SparsePrefillKernel(DenseSeesawKernel):
             scale: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             true_max: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]  # each warpgroup's exact row max
             bias: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_N]  # [buffer][token]: 0 or -inf
-            tile_mask: cute.struct.MemRange[cutlass.Int32, 2 * MASK_WORDS]  # [token parity][word]
-            tiles: cute.struct.MemRange[cutlass.Int32, 2]  # [0]: the token's tile count
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
@@ -217,10 +204,10 @@ class SparsePrefillKernel(DenseSeesawKernel):
         if wg < 2:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if wg == 0:
-                self.run_consumer(0, storage, tma_atom_q, tma_q, mIndices, mSink, mOut, mLse, mMaxLogits,
+                self.run_consumer(0, storage, tma_atom_q, tma_q, mIndices, mTopkLen, mSink, mOut, mLse, mMaxLogits,
                                   scale_log2, sQ_layout, sK_layout, sV_layout, sP_layout, sQ_load)
             else:
-                self.run_consumer(1, storage, tma_atom_q, tma_q, mIndices, mSink, mOut, mLse, mMaxLogits,
+                self.run_consumer(1, storage, tma_atom_q, tma_q, mIndices, mTopkLen, mSink, mOut, mLse, mMaxLogits,
                                   scale_log2, sQ_layout, sK_layout, sV_layout, sP_layout, sQ_load)
         else:
             cute.arch.setmaxregister_decrease(self.loader_regs)
@@ -228,9 +215,7 @@ class SparsePrefillKernel(DenseSeesawKernel):
             sBias = storage.bias.get_tensor(cute.make_layout((BLOCK_N, 2)))
             rows = RowCopies.make(sK_layout, storage.sK.data_ptr(), tidx % 128)
             work = token_range(mIndices.shape[0], mIndices.shape[1])
-            mask = TileMask(storage.tile_mask.get_tensor(cute.make_layout((MASK_WORDS, 2))),
-                            pipeline.NamedBarrier(barrier_id=int(PrefillBarrier.TILE_MASK), num_threads=128))
-            self.gather(ld, rows, sBias, mKV, mIndices, mTopkLen, work, mask, tidx // 32 == 8)
+            self.gather(ld, rows, sBias, mKV, mIndices, mTopkLen, work, tidx // 32 == 8)
 
     @cute.jit
     def gather_record(self, storage, tma_atom_q, tma_q, sQ_load):
@@ -241,11 +226,11 @@ class SparsePrefillKernel(DenseSeesawKernel):
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ_in, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
         return Gather(tma_atom_q, tQgQ, tQsQ, storage.q_mbar.data_ptr(), storage.kv_mbar.data_ptr(),
-                      storage.free_mbar.data_ptr(), storage.q_free_mbar.data_ptr(), m_tile,
-                      storage.tiles.get_tensor(cute.make_layout(2)))
+                      storage.free_mbar.data_ptr(), storage.q_free_mbar.data_ptr(), m_tile)
 
     @cute.jit
-    def run_consumer(self, wg: cutlass.Constexpr, storage, tma_atom_q, tma_q, mIndices, mSink, mOut, mLse, mMaxLogits, scale_log2, sQ_layout, sK_layout, sV_layout, sP_layout, sQ_load):
+    def run_consumer(self, wg: cutlass.Constexpr, storage, tma_atom_q, tma_q, mIndices, mTopkLen, mSink, mOut, mLse,
+                     mMaxLogits, scale_log2, sQ_layout, sK_layout, sV_layout, sP_layout, sQ_load):
         tidx, _, _ = cute.arch.thread_idx()
         _, m_tile, _ = cute.arch.block_idx()
         ld = self.gather_record(storage, tma_atom_q, tma_q, sQ_load)
@@ -262,7 +247,8 @@ class SparsePrefillKernel(DenseSeesawKernel):
         )
         view = self.gather_view(sQ, sK, sV, sP0, ld.kv_bar, sBias, wg, tidx % 128)
         work = token_range(mIndices.shape[0], mIndices.shape[1])
-        self.serve_tokens(view, sMax, sScale, sSum, sTrueMax, ld, work, outs, staged, scale_log2, m_tile, tidx, wg)
+        self.serve_tokens(view, sMax, sScale, sSum, sTrueMax, ld, mTopkLen, work, outs, staged, scale_log2, m_tile,
+                          tidx, wg)
 
     @cute.jit
     def gather_view(self, sQ, sK, sV, sP0, kv_bar, sBias, wg: cutlass.Constexpr, tid):
@@ -271,18 +257,19 @@ class SparsePrefillKernel(DenseSeesawKernel):
 
     # ------------------------------------------------------------- the consumers' token loop
     @cute.jit
-    def serve_tokens(self, v, sM, sScale, sSum, sTrueMax, loader, work, outs, staged, scale_log2, m_tile, tidx,
-                     wg: cutlass.Constexpr):
+    def serve_tokens(self, v, sM, sScale, sSum, sTrueMax, loader, mTopkLen, work, outs, staged, scale_log2,
+                     m_tile, tidx, wg: cutlass.Constexpr):
         rows = self.row_state(m_tile, v.tid)
         bars = SeesawBarriers.make()
         q_phase = cute.make_rmem_tensor((1,), cutlass.Int32)
         q_phase[0] = 0
         v.kphase[0] = 0
+        lens = TokenLengths.start(mTopkLen, work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
+            lens.advance(mTopkLen, work, req)
+            length = lens.current()
+            first, last = work.blocks(req, length)
             self.start_request(v, rows, sM, sScale, loader, q_phase, tidx)
-            # The token's tiles: its blocks holding a valid index (the loader's count, released with Q).
-            first, last = cutlass.Int32(0), loader.tiles[0]
-            length = last * BLOCK_N
             for i in cutlass.range_constexpr(2):
                 rows.row_max[i] = -cutlass.Float32.inf
             if cutlass.const_expr(wg == 0):
@@ -383,7 +370,7 @@ class SparsePrefillKernel(DenseSeesawKernel):
 
     # ------------------------------------------------------------------ the gather
     @cute.jit
-    def gather(self, ld, rows, sBias, mKV, mIndices, mTopkLen, work, mask, q_warp):
+    def gather(self, ld, rows, sBias, mKV, mIndices, mTopkLen, work, q_warp):
         """Every token's Q (first warp) and tiles, in the consumers' order, each buffer half once it is
         handed back (``dense_seesaw.produce``'s order: a token's first two tiles before its Q)."""
         free_phase = cute.make_rmem_tensor((4,), cutlass.Int32)
@@ -392,44 +379,36 @@ class SparsePrefillKernel(DenseSeesawKernel):
         q_phase[0] = 1
         src = RowSource(mKV, mIndices, cute.make_rmem_tensor((ROUNDS,), cutlass.Int32),
                         cute.make_rmem_tensor((ROUNDS,), cutlass.Int32))
-        tid = rows.row0 * LANES_PER_ROW + rows.lane
         lens = TokenLengths.start(mTopkLen, work)
         lens.advance(mTopkLen, work, work.begin_req)
-        mask.build(work.begin_req, mIndices, mKV.shape[0], lens.current(), tid)
-        src.load_indices(rows.row0, work.begin_req, mask.raw_tile(work.begin_req, 0), lens.current())
+        src.load_indices(rows.row0, work.begin_req, 0, lens.current())
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            # The next token's mask, for the lookahead into its first tile (its slot last held token req - 1's).
-            if req < work.end_req:
-                mask.build(req + 1, mIndices, mKV.shape[0], lens.peek(), tid)
-            first, last = cutlass.Int32(0), mask.count(req, lens.current())
-            # (this token's length, the next token, its length, the mask): where the lookahead goes.
-            ahead = (lens.current(), work.clamp(req + 1), lens.peek(), mask)
+            first, last = work.blocks(req, lens.current())
+            # (this token's length, the next token, its length): where the lookahead goes.
+            ahead = (lens.current(), work.clamp(req + 1), lens.peek())
             if req == work.begin_req:
-                self.load_q_when_free(ld, req, last, q_phase, q_warp)
+                self.load_q_when_free(ld, req, q_phase, q_warp)
             if first < last:
                 self.gather_tile(ld, rows, src, sBias, 0, free_phase, req, first, last, ahead, q_warp)
             if first + 1 < last:
                 self.gather_tile(ld, rows, src, sBias, 1, free_phase, req, first + 1, last, ahead, q_warp)
             if req != work.begin_req:
-                self.load_q_when_free(ld, req, last, q_phase, q_warp)
+                self.load_q_when_free(ld, req, q_phase, q_warp)
             for blk in cutlass.range(first + 2, last, 2, unroll=1):
                 self.gather_tile(ld, rows, src, sBias, 0, free_phase, req, blk, last, ahead, q_warp)
                 if blk + 1 < last:
                     self.gather_tile(ld, rows, src, sBias, 1, free_phase, req, blk + 1, last, ahead, q_warp)
             if last <= first:
                 # No tile: the lookahead still moves on to the next token's first tile.
-                src.load_indices(rows.row0, ahead[1], mask.raw_tile(ahead[1], 0), ahead[2])
+                src.load_indices(rows.row0, ahead[1], 0, ahead[2])
             lens.advance(mTopkLen, work, req + 1)
 
     @cute.jit
-    def load_q_when_free(self, ld, req, tiles, q_phase, q_warp):
-        """Token ``req``'s Q (the first warp's TMA copy) and its tile count, once WG0 has handed back Q's bytes
-        (the consumers read the last token's count before its epilogue: one slot serves)."""
-        sTiles = ld.tiles  # a plain local: a record's fields used inside a staged branch are rebound
+    def load_q_when_free(self, ld, req, q_phase, q_warp):
+        """Token ``req``'s Q (the first warp's TMA copy), once WG0 has handed back Q's bytes."""
         if q_warp:
             cute.arch.mbarrier_wait(ld.q_free_bar, q_phase[0])
             with cute.arch.elect_one():
-                sTiles[0] = tiles
                 cute.arch.mbarrier_arrive_and_expect_tx(ld.q_bar, self.q_bytes)
             cute.copy(ld.tma_atom_q, ld.tQgQ[None, ld.m_tile, 0, req], ld.tQsQ, tma_bar_ptr=ld.q_bar)
         q_phase[0] = q_phase[0] ^ 1
@@ -452,7 +431,7 @@ class SparsePrefillKernel(DenseSeesawKernel):
         n_req, n_blk, n_limit = req, blk + 1, ahead[0]
         if blk + 1 >= last:
             n_req, n_blk, n_limit = ahead[1], cutlass.Int32(0), ahead[2]
-        src.load_indices(rows.row0, n_req, ahead[3].raw_tile(n_req, n_blk), n_limit)
+        src.load_indices(rows.row0, n_req, n_blk, n_limit)
         order = (V_L_SUBS, V_R_SUBS) if buf == 0 else (V_R_SUBS, V_L_SUBS)
         issued = []
         for n, subtiles in enumerate(order):
@@ -574,13 +553,13 @@ class RowSource:
     next_ok: Any
 
     def load_indices(self, row0, req, blk, limit):
-        """The thread's rows of 64-index block ``blk`` of token ``req`` (``load_indices``)."""
+        """The thread's rows of tile ``blk`` of token ``req`` (``load_indices``)."""
         load_indices(self.mIndices, self.mKV.shape[0], self.next_idx, self.next_ok, row0, req, blk, limit)
 
 
 @cute.jit
 def load_indices(mIndices, s_kv, dst_idx, dst_ok, row0, req, blk, limit):
-    """Into ``dst_idx`` / ``dst_ok`` the indices and validity of a gather thread's rows of block ``blk`` of token
+    """Into ``dst_idx`` / ``dst_ok`` the indices and validity of a gather thread's rows of tile ``blk`` of token
     ``req``: an index outside [0, s_kv), or a position at or past ``limit`` (the token's length), is invalid
     and reads row 0's address (zero-filled).  A function of plain values: the tracer rebinds the fields of
     records used inside a staged branch."""
@@ -608,66 +587,6 @@ class Gather:
     free_bar: Any  # [buffer][half] hand-backs
     q_free_bar: Any
     m_tile: Any
-    tiles: Any  # [0]: the token's tile count, written before Q's arrival
-
-
-@dataclasses.dataclass
-class TileMask:
-    """The loader's per-token masks of the 64-index blocks holding a valid index ([word][token parity]): a token's
-    tiles are its marked blocks in order, then every block past ``MASK_TILES``."""
-
-    words: Any  # (MASK_WORDS, 2) int32
-    barrier: Any  # the load warpgroup's 128 threads
-
-    @cute.jit
-    def build(self, token, mIndices, s_kv, limit, tid):
-        """Token ``token``'s mask over its first ``limit`` indices, by all 128 loader threads (``tid``): each reads
-        one index of 128 a step, a warp's ballot marks its block; the slot's previous token must be done."""
-        slot = token % 2
-        warp, lane = tid // 32, tid % 32
-        self.barrier.arrive_and_wait()  # every loader thread is done with the slot's previous mask
-        if tid < MASK_WORDS:
-            self.words[tid, slot] = 0
-        self.barrier.arrive_and_wait()
-        scan = cutlass.min(limit, MASK_TILES * BLOCK_N)
-        for p0 in cutlass.range(0, scan, 128 * SCAN_UNROLL, unroll=1):
-            for u in cutlass.range_constexpr(SCAN_UNROLL):
-                base = p0 + 128 * u
-                idx = cutlass.Int32(-1)
-                if base + tid < scan:
-                    idx = mIndices[token, base + tid]
-                hit = cute.arch.vote_ballot_sync((idx >= 0) & (idx < s_kv))
-                if (lane == 0) & (hit != 0):
-                    blk = (base + 32 * warp) // BLOCK_N
-                    word = self.words.iterator + (blk // 32 + MASK_WORDS * slot)
-                    cute.arch.atomic_or(word, cutlass.Int32(1) << (blk % 32), scope="cta")
-        self.barrier.arrive_and_wait()
-
-    @cute.jit
-    def count(self, token, limit):
-        """Token ``token``'s tiles: its marked blocks, and its blocks past the mask."""
-        total = cutlass.max((limit + BLOCK_N - 1) // BLOCK_N - MASK_TILES, 0)
-        for w in cutlass.range(MASK_WORDS, unroll=1):
-            total = total + cute.arch.popc(self.words[w, token % 2])
-        return total
-
-    @cute.jit
-    def raw_tile(self, token, c):
-        """The 64-index block of token ``token``'s tile ``c``: its ``c``-th marked block, or past the mask."""
-        slot = token % 2
-        blk = cutlass.Int32(-1)
-        seen = cutlass.Int32(0)
-        for w in cutlass.range(MASK_WORDS, unroll=1):
-            word = self.words[w, slot]
-            n = cute.arch.popc(word)
-            if (blk < 0) & (c < seen + n):
-                for _ in cutlass.range(c - seen, unroll=1):
-                    word = word & (word - 1)  # drop the lowest marked block
-                blk = w * 32 + cutlass.Int32(cute.arch.clz(cute.arch.brev(word)))
-            seen = seen + n
-        if blk < 0:
-            blk = MASK_TILES + c - seen
-        return blk
 
 
 @dataclasses.dataclass
