@@ -3,8 +3,8 @@
     python tests/shards.py N LOGDIR [--stop-after SECONDS] [--skip-passed OLDLOGDIR] [pytest arguments, e.g. -m gpu tests/]
 
 Collects the test ids, groups those that build the same kernels (the dense grid's cases by s_q, h_q, h_kv
-and causal, the prefill grid's by d_qk, h_q and options; any other test by its function), deals the groups to N processes, largest first, runs them at
-once and prints each process's summary; exits non-zero when any process fails.  Logs go to LOGDIR.
+and causal, the prefill grid's by d_qk, h_q and options; any other test by its function), deals the groups
+to N processes, largest first, runs them at once and prints each process's summary; exits non-zero when any process fails.  Logs go to LOGDIR.
 ``--skip-passed``: leave out the tests an earlier run's logs (OLDLOGDIR) report as passed.  ``--stop-after``:
 interrupt the processes still running after SECONDS (as Ctrl-C would), so each still writes pytest's summary, with
 the failures' reasons, before a time limit kills them.

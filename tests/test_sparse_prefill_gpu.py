@@ -1,7 +1,7 @@
 """Sparse prefill kernel (``flash_mla_sparse_fwd``) on the H200 against the reference: FlashMLA's prefill test
 grid (d_qk 576 and 512, h_q 128 and 64, and here 32 and 16 too), attention sinks and topk_length, all
-indices invalid, blocks without a valid index (at the end of a token's list, between valid ones, past the
-loader's mask), and a long prompt.
+indices invalid, blocks without a valid index (at the end of a token's list, between valid ones, in lists of
+more than 256 blocks), and a long prompt.
 
 Tolerances.  The inputs are unit normal q and kv with scale d_qk^-0.5 (scores of unit spread: peaked softmaxes,
 outputs up to a few units), harsher than the tenth-scaled inputs of the decode tests.  On them FlashMLA's own
@@ -77,30 +77,29 @@ def test_blocks_without_valid_indices(s_kv, topk, s_q, options):
 
 def _empty_blocks(idx, topk):
     """Tokens by residue mod 6: every other 64-index block emptied (-1); all but the last; all but the first;
-    one valid index (in block 7, or the last block); none; untouched."""
+    one valid index, row 0 (in block 7, or the last block); none; untouched."""
     blocks = idx.view(idx.shape[0], topk // 64, 64)
     blocks[0::6, 0::2] = -1
     blocks[1::6, :-1] = -1
     blocks[2::6, 1:] = -1
-    keep = blocks[3::6, min(7, topk // 64 - 1), 13].clone()
     blocks[3::6] = -1
-    blocks[3::6, min(7, topk // 64 - 1), 13] = keep
+    blocks[3::6, min(7, topk // 64 - 1), 13] = 0
     blocks[4::6] = -1
 
 
 @pytest.mark.parametrize("options", [False, True], ids=["plain", "sink+topk_length"])
 @pytest.mark.parametrize("h_q,topk", [(128, 1024), (64, 2048), (16, 512)])
 def test_blocks_without_valid_indices_between_valid_ones(h_q, topk, options):
-    """Blocks with no valid index anywhere in a token's list (not only past its valid ones) are skipped; the
-    token's other blocks are served in order."""
+    """Blocks with no valid index anywhere in a token's list (not only past its valid ones) contribute nothing;
+    the token's other blocks are attended as usual."""
     case = make_prefill_case(62, 4096, topk, h_q, 576, with_sink=options, with_topk_length=options, seed=topk)
     _empty_blocks(case["indices"].view(62, topk), topk)
     out, max_logits, lse = run_and_check(case)
     assert torch.all(out[4::6] == 0) and torch.all(lse[4::6] == float("inf"))
 
 
-def test_blocks_past_the_mask_are_served():
-    """topk above the loader's mask (256 blocks of 64): empty blocks on both sides of it."""
+def test_long_index_lists_with_empty_blocks():
+    """topk above 256 blocks of 64, empty blocks on both sides of block 256, topk_length around it."""
     topk = 256 * 64 + 3 * 64 + 17
     case = make_prefill_case(12, 20000, topk, 64, 512, with_topk_length=True, seed=3)
     case["topk_length"][1:] = torch.tensor([topk, topk - 40, 256 * 64 + 1, 256 * 64, 200, 17000, topk, topk, topk,
