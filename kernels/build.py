@@ -143,8 +143,10 @@ def compile_scheduler(config: SchedulerConfig, options: str = ""):
                           persistent=not options)
 
 
-def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length: bool, partials_16bit: bool = False):
-    """Fake tensors matching ``SparseDecodeFp8Kernel.__call__`` (and the sparse step)."""
+def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length: bool, partials_16bit: bool = False,
+                            max_logits: bool = False):
+    """Fake tensors matching ``SparseDecodeFp8Kernel.__call__`` (and the sparse step's); without ``max_logits``
+    None in its place."""
     from .sparse_decode_fp8 import ROW_BYTES
 
     b, nb, page, topk = _sym(), _sym(), _sym(), _sym()
@@ -157,14 +159,20 @@ def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length:
     topk_len = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4) if has_topk_length else None
     sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if has_sink else None
     partial = bf16 if partials_16bit else cutlass.Float32
-    return (q, cache, indices, topk_len, *_split_io(bf16, b, s_q, h_q, 1, partial), sink, *_scale_and_stream())
+    top = None
+    if max_logits:
+        top = make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4)
+    return (q, cache, indices, topk_len, *_split_io(bf16, b, s_q, h_q, 1, partial), sink, top, *_scale_and_stream())
 
 
 def compile_sparse(step: SparseStepConfig, options: str = ""):
     """The compiled sparse FP8 decode step: the split kernel, with the combine behind one entry when
     ``step.with_combine``.  Without ``has_topk_length`` the kernel takes None there and every request attends
-    to topk tokens."""
+    to topk tokens.  The max_logits tensor follows the sink: None, but with ``split.max_logits`` (prefill from
+    the FP8 cache, the kernel alone)."""
     split = step.split
+    if split.max_logits and step.with_combine:
+        raise ValueError("max_logits: a kernel writing max_logits serves whole requests, without the combine")
 
     def build():
         from .sparse_decode_fp8 import SparseDecodeFp8Kernel
@@ -176,7 +184,7 @@ def compile_sparse(step: SparseStepConfig, options: str = ""):
 
             kernel = SparseDecodeStep(kernel, CombineKernel(step.combine))
         args = sparse_decode_signature(split.s_q, split.h_q, split.has_sink, split.has_topk_length,
-                                       split.partials_16bit)
+                                       split.partials_16bit, split.max_logits)
         return cute.compile(kernel, *args, options=compile_options(options))
 
     return cached_compile(("sparse_decode_fp8", step, options), build, describe=f"sparse decode {step}",

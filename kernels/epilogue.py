@@ -65,7 +65,8 @@ class EpilogueMethods:
         ``staged``: a ``StagedRows``: final rows, and 16-bit partials, go through shared memory and bulk
         copies (thread 0 of warpgroup ``staged.issuer`` has issued them, and waited until they read shared
         memory, on return); None: stored from registers.  fp32 partials (the workspace's dtype decides,
-        sparse decode's small plans have 16-bit ones) leave from registers."""
+        sparse decode's small plans have 16-bit ones) leave from registers.  ``outs.max_logits`` (where set) is
+        written with the final rows, by warpgroup 0, from its ``rows.exact_max``; a split's partial has none."""
         wg, tid, row0 = v.wg, v.tid, rows.row0
         row_sum = rows.row_sum
         for i in cutlass.range_constexpr(2):
@@ -108,6 +109,11 @@ class EpilogueMethods:
                         if lse2[i] != -cutlass.Float32.inf:
                             lse = lse2[i] * LN_2
                         outs.lse[req, tile.kv_head, tile.row_base + r] = lse
+                        if cutlass.const_expr(outs.max_logits is not None):
+                            top = -cutlass.Float32.inf  # nothing attended
+                            if rows.exact_max[i] != -cutlass.Float32.inf:
+                                top = rows.exact_max[i] * scale_log2 * LN_2
+                            outs.max_logits[req, tile.kv_head, tile.row_base + r] = top
         else:
             split = splits[0]
             if req == work.begin_req:

@@ -122,8 +122,8 @@ class LeaderFollowerConsumer(SplitKVConsumer):
 
     @cute.jit
     def leader_softmax(self, v, rows, mask, scale_log2):
-        """Mask S, update the running max and sum, P = 2^(S * scale - base) into ``v.rPc``, O_L rescaled;
-        returns the factor 2^(old - new max) of the two rows."""
+        """Mask S, update the running max and sum (and ``rows.exact_max`` where kept), P = 2^(S * scale - base)
+        into ``v.rPc``, O_L rescaled; returns the factor 2^(old - new max) of the two rows."""
         cur = cute.make_rmem_tensor((2,), cutlass.Float32)
         for i in cutlass.range_constexpr(2):
             cur[i] = -cutlass.Float32.inf
@@ -136,8 +136,10 @@ class LeaderFollowerConsumer(SplitKVConsumer):
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
         base = cute.make_rmem_tensor((2,), cutlass.Float32)
         for i in cutlass.range_constexpr(2):
-            self.update_max(rows, i, cute.arch.warp_reduction_max(cur[i], threads_in_group=4), scale_log2, alpha, base,
-                            slack=MAX_SLACK)
+            tile_max = cute.arch.warp_reduction_max(cur[i], threads_in_group=4)
+            if cutlass.const_expr(rows.exact_max is not None):
+                rows.exact_max[i] = cute.arch.fmax(rows.exact_max[i], tile_max)
+            self.update_max(rows, i, tile_max, scale_log2, alpha, base, slack=MAX_SLACK)
         self.exp_scores(v.acc_s, rows, base, scale_log2)
         v.rPc.store(v.acc_s.load().to(v.rPc.element_type))
         rescale_o(v.acc_o, alpha)

@@ -125,6 +125,8 @@ class SplitKVConsumer(EpilogueMethods):
         for i in cutlass.range_constexpr(2):
             rows.row_max[i] = -cutlass.Float32.inf
             rows.row_sum[i] = 0.0
+            if cutlass.const_expr(rows.exact_max is not None):
+                rows.exact_max[i] = -cutlass.Float32.inf
 
     @cute.jit
     def mma_qk(self, v, acc_s, stage):

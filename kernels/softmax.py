@@ -50,9 +50,12 @@ class LengthMask:
 
 @dataclasses.dataclass
 class RowState:
-    """The thread's two query rows (row0, row0 + 8): running max and sum, causal shift."""
+    """The thread's two query rows (row0, row0 + 8): running max and sum, causal shift; ``exact_max``: the
+    rows' true max raw score (the running max lags it by up to ``MAX_SLACK``), where a kernel writes
+    max_logits from it, else None."""
 
     row0: Any
     row_max: Any
     row_sum: Any
     shift: Any
+    exact_max: Any = None

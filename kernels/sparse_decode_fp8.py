@@ -118,6 +118,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         self.h_q = config.h_q
         self.s_q = config.s_q
         self.has_sink = config.has_sink
+        # The leader keeps each row's exact max for max_logits (prefill from the FP8 cache: whole requests).
+        self.max_logits = config.max_logits
         self.head_tiles = config.head_tiles
         self.kv_stages = 2
         # The two 64-head tiles of a pair share every token tile (2-CTA cluster); each CTA hands the peer its
@@ -162,9 +164,12 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         mOAccum: cute.Tensor,  # [b + num_parts, 1, s_q * h_q, 512] fp32
         mLseAccum: cute.Tensor,  # [b + num_parts, 1, s_q * h_q] fp32
         mSink: cute.Tensor,  # [h_q] fp32, or None
+        mMaxLogits: cute.Tensor,  # [b, h_q, s_q] fp32 with ``config.max_logits``, else None
         scale_log2: cutlass.Float32,
         stream,
     ):
+        if cutlass.const_expr((mMaxLogits is not None) != self.max_logits):
+            raise ValueError(f"max_logits: the kernel is built with max_logits={self.max_logits}")
         # (h_q, 576, s_q, b): feature-contiguous, as TMA wants; heads past h_q read as zeros.
         q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 3, 1, 0]))
         mma_qk_first, tiled_mma_qk, tiled_mma_pv = make_consumer_mmas(self.operand_dtype)
@@ -190,11 +195,13 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         num_parts = mSched.shape[0]
         mOut = out_rows(mOut, 1, self.h_q, self.s_q)
         mLse = lse_rows(mLse, 1, self.h_q, self.s_q)
+        if cutlass.const_expr(self.max_logits):
+            mMaxLogits = lse_rows(mMaxLogits, 1, self.h_q, self.s_q)
         self.kernel(
             mma_qk_first, tiled_mma_qk, tiled_mma_pv,
             tma_atom_q, tma_q,
             mCache, mIndices, mTopkLen, mSched,
-            SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum, mSink),
+            SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum, mSink, mMaxLogits),
             scale_log2,
             sQ_layout, sK_layout, sV_layout, sP_layout,
         ).launch(
@@ -652,8 +659,11 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     def consumer_state(self, v, s_idx, head_tile):
         """A consumer thread's rows, its Q and KV pipeline states and its output tile."""
         head0 = head_tile * BLOCK_M
+        rows = self.row_state(0, v.tid)
+        if cutlass.const_expr(self.max_logits):
+            rows = dataclasses.replace(rows, exact_max=cute.make_rmem_tensor((2,), cutlass.Float32))
         return (
-            self.row_state(0, v.tid),
+            rows,
             pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
             pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages),
             OutputTile(0, s_idx * self.h_q + head0, self.h_q - head0, head0),

@@ -85,7 +85,8 @@ def load_splits(outs, req):
 class SplitOutputs:
     """Where results go: final out/lse (FlashMLA layouts seen per KV head) or fp32 partials.
 
-    ``sink``: the attention sink per head (fp32), or None.
+    ``sink``: the attention sink per head (fp32), or None.  ``max_logits``: each row's max scaled logit,
+    natural units, in lse's layout (written with the final rows from ``RowState.exact_max``), or None.
     """
 
     num_splits: Any
@@ -94,6 +95,7 @@ class SplitOutputs:
     o_accum: Any
     lse_accum: Any
     sink: Any = None
+    max_logits: Any = None
 
 
 @dataclasses.dataclass

@@ -421,6 +421,12 @@ def flash_mla_sparse_fwd(
     attn_sink: float32 ``[h_q]``; topk_length: int32 ``[s_q]``.  s_q, h_q and s_kv must be >= 1
     (FlashMLA's kernel cannot run an empty s_q either).
 
+    Beyond FlashMLA, kv may be the paged FP8 cache of sparse decode, ``[num_blocks, page_block_size, 1, 656]``
+    (float8_e4m3fn, uint8 or int8; ``mla_cute.quantize_kv_cache``'s rows), with d_qk 576 and indices
+    ``block * page_block_size + offset`` (valid when ``0 <= index < num_blocks * page_block_size``): the
+    prefill over the dequantized cache, which the kernel dequantizes as it gathers the rows, so no bf16 copy
+    of the top-k rows is made.
+
     Returns (out ``[s_q, h_q, 512]`` bf16, max_logits ``[s_q, h_q]`` float32 (max of
     scaled scores, -inf when nothing is valid), lse ``[s_q, h_q]`` float32, natural
     log, +inf when nothing is valid).
@@ -428,8 +434,13 @@ def flash_mla_sparse_fwd(
     V.check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length)
     sm_scale = V.check_scale("sm_scale", sm_scale)
     kind = select_backend(q.device, backend)
+    fp8_cache = kv.dim() == 4
     if kind == "reference":
-        return reference.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        attend = reference.sparse_prefill_fp8 if fp8_cache else reference.sparse_prefill
+        return attend(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    if fp8_cache:
+        cute.check_sparse_supported(kv, "kv")
+        return cute.sparse_prefill_fp8(q, kv, indices, sm_scale, attn_sink, topk_length)
     return cute.sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length)
 
 
@@ -465,7 +476,8 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
     ``attn_sink`` and ``topk_length`` (False: whether calls pass one) and ``schedule``.
     Sparse prefill (:func:`flash_mla_sparse_fwd`): a dict with ``prefill=True``, ``h_q`` and optionally
-    ``d_qk`` (576 or 512; 576), ``attn_sink`` and ``topk_length`` (False); one kernel each.
+    ``d_qk`` (576 or 512; 576), ``attn_sink``, ``topk_length`` and ``fp8_cache`` (False: kv is the paged FP8
+    cache); one kernel each.
     ``schedule`` (keyword) is the default for configurations of its kind.  Every kernel a call of the
     configuration can resolve to is built (``mla_cute.schedules.dense_precompile_steps`` and
     ``sparse_precompile_steps``): for dense decode normal and evict-first loads, each with and without the
@@ -517,7 +529,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
 
 def _precompile_prefill(i: int, cfg: dict) -> None:
     """``precompile``'s prefill configuration ``i`` (``prefill`` already taken out)."""
-    extra = cfg.keys() - {"h_q", "d_qk", "attn_sink", "topk_length"}
+    extra = cfg.keys() - {"h_q", "d_qk", "attn_sink", "topk_length", "fp8_cache"}
     if extra:
         raise ValueError(f"precompile config {i} has unknown keys {sorted(extra)}")
     h_q, d_qk = cfg.get("h_q"), cfg.get("d_qk", D_QK)
@@ -525,4 +537,10 @@ def _precompile_prefill(i: int, cfg: dict) -> None:
         raise ValueError(f"precompile config {i}: h_q must be an int >= 1, got {h_q!r}")
     if d_qk not in (D_QK, 512):
         raise ValueError(f"precompile config {i}: d_qk must be {D_QK} or 512, got {d_qk!r}")
-    cute.precompile_sparse_prefill(h_q, d_qk, bool(cfg.get("attn_sink", False)), bool(cfg.get("topk_length", False)))
+    sink, lengths = bool(cfg.get("attn_sink", False)), bool(cfg.get("topk_length", False))
+    if cfg.get("fp8_cache", False):
+        if d_qk != D_QK:
+            raise ValueError(f"precompile config {i}: the FP8 cache (fp8_cache) takes d_qk {D_QK}, got {d_qk!r}")
+        cute.precompile_sparse_prefill_fp8(h_q, sink, lengths)
+        return
+    cute.precompile_sparse_prefill(h_q, d_qk, sink, lengths)

@@ -213,13 +213,31 @@ def check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length) -> None:
         raise ValueError(f"q must have s_q and h_q >= 1, got shape {list(q.shape)}")
     if d_v != D_LATENT:
         raise ValueError(f"d_v must be {D_LATENT}, got {d_v}")
-    check_tensor("kv", kv, dim=3, dtypes=(torch.bfloat16,))
-    if kv.shape[1] != 1 or kv.shape[2] != d:
-        raise ValueError(f"kv must have shape [s_kv, 1, {d}] (q's head_dim), got {list(kv.shape)}")
-    if kv.shape[0] < 1:
-        raise ValueError(f"kv must have s_kv >= 1 tokens, got shape {list(kv.shape)}")
+    if isinstance(kv, torch.Tensor) and kv.dim() == 4:
+        _check_prefill_fp8_cache(kv, d)
+    else:
+        check_tensor("kv", kv, dim=3, dtypes=(torch.bfloat16,))
+        if kv.shape[1] != 1 or kv.shape[2] != d:
+            raise ValueError(f"kv must have shape [s_kv, 1, {d}] (q's head_dim), got {list(kv.shape)}")
+        if kv.shape[0] < 1:
+            raise ValueError(f"kv must have s_kv >= 1 tokens, got shape {list(kv.shape)}")
     check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))
     if indices.shape[0] != s_q or indices.shape[1] != 1 or indices.shape[2] < 1:
         raise ValueError(f"indices must have shape [s_q={s_q}, 1, topk>=1], got {list(indices.shape)}")
     _check_topk_length_and_sink(topk_length, (s_q,), "[s_q]", attn_sink, h_q)
     check_same_device("q", q, kv=kv, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
+
+
+def _check_prefill_fp8_cache(kv, d: int) -> None:
+    """kv as the paged FP8 cache of sparse decode (prefill straight from it)."""
+    check_tensor("kv", kv, dim=4, dtypes=FP8_CACHE_DTYPES)
+    if kv.shape[2] != 1 or kv.shape[3] != FP8_BYTES_PER_TOKEN:
+        raise ValueError(
+            f"kv as the FP8 cache must have shape [num_blocks, page_block_size, 1, {FP8_BYTES_PER_TOKEN}], "
+            f"got {list(kv.shape)}"
+        )
+    if kv.shape[0] < 1 or kv.shape[1] < 1:
+        raise ValueError(f"kv must have num_blocks >= 1 and page_block_size >= 1, got shape {list(kv.shape)}")
+    if d != D_QK:
+        raise ValueError(f"q must have head_dim {D_QK} with the {FP8_BYTES_PER_TOKEN}-byte FP8 cache as kv "
+                         f"(its rows hold 512 latent and 64 RoPE features), got {d}")

@@ -5,9 +5,10 @@ from .configs import (CombineConfig, DenseSplitConfig, DenseStepConfig, Schedule
                       SparseSplitConfig, SparseStepConfig)
 from .dense import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
 from .planner import (RECORD_FIELDS, RECORD_SIZE, m_tiles_for, num_sm_parts_for, plan_facts, plan_has_split, plan_splits,
-                      sparse_lengths, sparse_num_sm_parts_for)
-from .resolve import (HOPPER, DenseCall, DeviceFacts, SparseCall, SparsePrefillCall, dense_precompile_steps,
-                      experiment, resolve_dense, resolve_sparse, resolve_sparse_prefill, sparse_precompile_steps,
+                      sparse_lengths, sparse_num_sm_parts_for, whole_token_plan)
+from .resolve import (HOPPER, DenseCall, DeviceFacts, SparseCall, SparsePrefillCall, SparsePrefillFp8Call,
+                      dense_precompile_steps, experiment, resolve_dense, resolve_sparse, resolve_sparse_prefill,
+                      resolve_sparse_prefill_fp8, sparse_precompile_steps,
                       sparse_prefill_precompile_configs)
 from .sparse import DEFAULT_SPARSE_SCHEDULE, SparseDecodeSchedule
 
@@ -24,6 +25,7 @@ __all__ = [
     "SparseStepConfig",
     "SparsePrefillConfig",
     "SparsePrefillCall",
+    "SparsePrefillFp8Call",
     "DeviceFacts",
     "HOPPER",
     "DenseCall",
@@ -31,6 +33,7 @@ __all__ = [
     "resolve_dense",
     "resolve_sparse",
     "resolve_sparse_prefill",
+    "resolve_sparse_prefill_fp8",
     "sparse_prefill_precompile_configs",
     "dense_precompile_steps",
     "sparse_precompile_steps",
@@ -44,4 +47,5 @@ __all__ = [
     "plan_splits",
     "sparse_lengths",
     "sparse_num_sm_parts_for",
+    "whole_token_plan",
 ]

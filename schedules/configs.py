@@ -90,7 +90,9 @@ class DenseStepConfig:
 class SparseSplitConfig:
     """One sparse FP8 decode split kernel (656-byte V3.2 rows): ``s_q`` tokens of ``h_q`` heads, with an
     attention sink, with per-request ``topk_length``; the crossover (head tiles in pairs sharing each
-    token tile), the crossover's producer halves, and 16-bit split partials."""
+    token tile), the crossover's producer halves, and 16-bit split partials.  ``max_logits``: the kernel
+    also writes each row's max scaled logit (prefill from the FP8 cache, ``flash_mla_sparse_fwd``); its
+    plans never split a request (``planner.whole_token_plan``), so no combine is needed."""
 
     s_q: int
     h_q: int
@@ -99,6 +101,7 @@ class SparseSplitConfig:
     crossover: bool
     producer_halves: bool
     partials_16bit: bool
+    max_logits: bool = False
 
     @property
     def head_tiles(self) -> int:

@@ -91,6 +91,26 @@ def sparse_lengths(topk: int, topk_length, b: int) -> torch.Tensor:
     return lens.clamp(1, topk)
 
 
+# A record's end block that never cuts its last request (``whole_token_plan``).
+WHOLE_REQUEST_END = 1 << 30
+
+
+def whole_token_plan(num_tokens: int, num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Records and split counts (``plan_splits``' format) of a plan that serves every request whole: part p
+    takes the contiguous share ``[p * n // num_parts, (p + 1) * n // num_parts)`` of the ``n = num_tokens``
+    requests (idle when the share is empty), each request one split.  Prefill from the FP8 cache serves a
+    query token as a request this way: no split, so no combine, and each token's max_logits comes from the
+    part that wrote its rows.  The plan needs no lengths (a shape fact, the same on every call)."""
+    if num_tokens < 1 or num_parts < 1:
+        raise ValueError(f"whole_token_plan needs num_tokens and num_parts >= 1, got {num_tokens}, {num_parts}")
+    records = torch.zeros(num_parts, RECORD_SIZE, dtype=torch.int32)
+    part = torch.arange(num_parts, dtype=torch.int64)
+    records[:, 0] = part * num_tokens // num_parts
+    records[:, 1] = (part + 1) * num_tokens // num_parts - 1
+    records[:, 3] = WHOLE_REQUEST_END
+    return records, torch.arange(num_tokens + 1, dtype=torch.int32)
+
+
 def plan_splits(
     seqlens: torch.Tensor,
     num_parts: int,

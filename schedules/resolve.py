@@ -256,3 +256,27 @@ def sparse_prefill_precompile_configs(*, h_q: int, d_qk: int, has_sink: bool,
     argument)."""
     return [resolve_sparse_prefill(s_q=1, h_q=h_q, d_qk=d_qk, has_sink=has_sink,
                                    has_topk_length=has_topk_length).config]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsePrefillFp8Call:
+    """A sparse prefill call over the paged FP8 cache resolved: the sparse decode kernel that serves it (a query
+    token as a request of one position, writing max_logits, never split) and its part count, for
+    ``planner.whole_token_plan``."""
+
+    step: SparseStepConfig
+    parts: int
+
+
+def resolve_sparse_prefill_fp8(*, s_q: int, h_q: int, has_sink: bool, has_topk_length: bool,
+                               device: DeviceFacts = HOPPER) -> SparsePrefillFp8Call:
+    """The FP8-cache prefill call's kernel and parts.  Rules: the decode kernel's crossover where the 64-head
+    tiles pair, with its producer halves (a prefill plan is not small); one CTA an SM for each head tile of a
+    token (``sparse_num_sm_parts_for`` at one position), never more parts than tokens; whole tokens, so no
+    combine."""
+    crossover = -(-h_q // 64) % 2 == 0
+    split = SparseSplitConfig(1, h_q, has_sink, has_topk_length, crossover, producer_halves=crossover,
+                              partials_16bit=False, max_logits=True)
+    combine = CombineConfig("bfloat16", h_q, 1, has_sink)  # part of the step's key only: never launched
+    parts = max(1, min(s_q, sparse_num_sm_parts_for(device.num_sms, 1, h_q)))
+    return SparsePrefillFp8Call(SparseStepConfig(split, combine, False), parts)

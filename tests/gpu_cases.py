@@ -182,3 +182,33 @@ def make_prefill_case(s_q, s_kv, topk, h_q, d_qk=576, *, all_invalid=False, inva
             sink[1] = -float("inf")
         case["attn_sink"] = sink
     return case
+
+
+def make_prefill_fp8_case(s_q, s_kv, topk, h_q, *, page=64, all_invalid=False, invalid_frac=0.1, with_sink=False,
+                          with_topk_length=False, seed=0, device="cuda"):
+    """A sparse prefill case over the paged FP8 cache: ``make_prefill_case``'s q, indices, sink and lengths (d_qk
+    576), its kv quantized into a 656-byte cache whose ceil(s_kv / page) blocks are randomly placed among one
+    more, an index naming block * page + offset; invalid indices are -1, negative, or at and past the cache's
+    end (num_blocks * page).  Unused rows of the cache hold NaN bytes (never read)."""
+    from mla_cute.fp8 import quantize_kv_cache
+
+    case = make_prefill_case(s_q, s_kv, topk, h_q, 576, all_invalid=all_invalid, invalid_frac=invalid_frac,
+                             with_sink=with_sink, with_topk_length=with_topk_length, seed=seed, device=device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    blocks = math.ceil(s_kv / page)
+    nb = blocks + 1
+    perm = torch.randperm(nb, generator=gen)[:blocks].to(device)
+    rows = torch.full((nb * page, 1, 576), float("nan"), dtype=torch.bfloat16, device=device)
+    tok = torch.arange(s_kv, device=device)
+    where = perm[tok // page] * page + tok % page
+    rows[where] = case.pop("kv")
+    k_cache = quantize_kv_cache(rows.view(nb, page, 1, 576).cpu()).to(device)
+    idx = case["indices"].long()
+    valid = (idx >= 0) & (idx < s_kv)
+    mapped = where[idx.clamp(0, s_kv - 1)]
+    end = nb * page
+    # The bf16 case's out-of-range values (s_kv and past it) move past the cache's end.
+    high = torch.where(idx >= s_kv, end + (idx - s_kv).clamp(max=2**31 - 1 - end), idx)
+    case["indices"] = torch.where(valid, mapped, high).to(torch.int32)
+    case["kv"] = k_cache
+    return case

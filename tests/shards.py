@@ -3,7 +3,7 @@
     python tests/shards.py N LOGDIR [--stop-after SECONDS] [--skip-passed OLDLOGDIR] [pytest arguments, e.g. -m gpu tests/]
 
 Collects the test ids, groups those that build the same kernels (the dense grid's cases by s_q, h_q, h_kv
-and causal, the prefill grid's by d_qk, h_q and options; any other test by its function), deals the groups
+and causal, the prefill grids' by d_qk (the FP8 cache's: 576), h_q and options; any other test by its function), deals the groups
 to N processes, largest first, runs them at once and prints each process's summary; exits non-zero when any process fails.  Logs go to LOGDIR.
 ``--skip-passed``: leave out the tests an earlier run's logs (OLDLOGDIR) report as passed.  ``--stop-after``:
 interrupt the processes still running after SECONDS (as Ctrl-C would), so each still writes pytest's summary, with
@@ -22,6 +22,7 @@ from pathlib import Path
 
 GRID = re.compile(r"test_dense_grid\[(\d+)-(\d+)-(\d+)-(\d+)-(\d+)-(\w+)-(\w+)\]")
 PREFILL_GRID = re.compile(r"test_prefill_grid\[(\d+)-(\d+)-\d+-\d+-\d+-([\w+]+)\]")
+FP8_PREFILL_GRID = re.compile(r"test_prefill_fp8_grid\[(\d+)-\d+-\d+-\d+-([\w+]+)\]")
 
 
 def group_of(test_id: str) -> str:
@@ -33,6 +34,10 @@ def group_of(test_id: str) -> str:
     if m:
         d_qk, h_q, options = m.groups()
         return f"prefill grid d_qk={d_qk} h_q={h_q} {options}"
+    m = FP8_PREFILL_GRID.search(test_id)
+    if m:
+        h_q, options = m.groups()
+        return f"fp8 prefill grid h_q={h_q} {options}"
     return test_id.split("[")[0]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -488,3 +489,28 @@ def test_sparse_prefill_compiles_clean(capfd, d_qk, has_sink, has_topk_length):
     _assert_wgmma_not_serialized(err)
     spills, _ = _ptxas_report(err)
     assert spills and all(sp == (0, 0, 0) for sp in spills), spills
+
+
+@pytest.mark.parametrize("h_q,has_sink,has_topk_length", [(128, True, True), (32, False, False)])
+def test_sparse_prefill_from_the_fp8_cache_compiles_clean(capfd, h_q, has_sink, has_topk_length):
+    """Prefill from the FP8 cache is the sparse decode kernel with max_logits: gathered rows dequantized as in
+    decode, final rows only (no fp32 partial stores, no combine), max_logits a second fp32 store beside lse,
+    within the leader's register budget: no local memory, no spills, WGMMA not serialized."""
+    from mla_cute.kernels.build import compile_sparse
+    from mla_cute.schedules import resolve_sparse_prefill_fp8
+
+    step = resolve_sparse_prefill_fp8(s_q=4096, h_q=h_q, has_sink=has_sink, has_topk_length=has_topk_length).step
+    plain = dataclasses.replace(step, split=dataclasses.replace(step.split, max_logits=False))
+    ptx = compile_sparse(step, options=OPTIONS).__ptx__
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cp.async.bulk.tensor" in ptx
+    assert ptx.count("wgmma.mma_async") >= 40
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    err = capfd.readouterr().err
+    _assert_wgmma_not_serialized(err)
+    spills, regs = _ptxas_report(err)
+    assert spills and all(sp == (0, 0, 0) for sp in spills), spills
+    _check_register_split(ptx, regs)
+    # One more fp32 store than the same kernel without max_logits (the leader's, beside lse).
+    plain_ptx = compile_sparse(plain, options=OPTIONS).__ptx__
+    capfd.readouterr()
+    assert ptx.count("st.global.f32") == plain_ptx.count("st.global.f32") + 1

@@ -217,7 +217,8 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     assert config == SchedulerConfig(*sched.plan_policy(2 * 128)) == SchedulerConfig(2, 0, 0)
     assert sched_shape == (7, 8) and splits_shape == (4,)
     assert lengths.tolist() == [1, 70, 128]  # clamped to [1, topk] for the planner
-    (qq, cache, idx, tl, records, splits, o, l, o_acc, lse_acc, sk, scale) = sparse_recorder["steps"][0]
+    (qq, cache, idx, tl, records, splits, o, l, o_acc, lse_acc, sk, top, scale) = sparse_recorder["steps"][0]
+    assert top is None  # decode writes no max_logits
     assert cache.dtype == torch.int32 and cache.shape == (4, 64, 164)  # 656-byte rows as words
     assert tl is topk_length and sk is not None and math.isclose(scale, 0.25 * math.log2(math.e))
     assert o_acc.shape == (3 + 7, 1, 2 * 128, 512) and lse_acc.shape == (3 + 7, 1, 2 * 128)
@@ -608,6 +609,76 @@ def test_precompile_prefill_configs(monkeypatch):
         mla_cute.precompile([dict(prefill=True, h_q=64, d_qk=448)])
 
 
+def test_precompile_prefill_from_the_fp8_cache(monkeypatch):
+    import mla_cute
+    from mla_cute.backends import cute
+
+    seen = []
+    monkeypatch.setattr(cute, "precompile_sparse_prefill_fp8", lambda *a: seen.append(a))
+    monkeypatch.setattr(cute, "precompile_sparse_prefill", lambda *a: pytest.fail("the bf16 kernel"))
+    assert mla_cute.precompile([dict(prefill=True, fp8_cache=True, h_q=32, attn_sink=True)]) == 1
+    assert seen == [(32, True, False)]
+    with pytest.raises(ValueError, match="fp8_cache.*d_qk 576"):
+        mla_cute.precompile([dict(prefill=True, fp8_cache=True, h_q=64, d_qk=512)])
+
+
+def test_prefill_from_the_fp8_cache_resolves_to_the_decode_kernel_serving_whole_tokens():
+    """A token is a request of one position: the crossover where the head tiles pair (with producer halves),
+    max_logits on, no combine; one part an SM per head tile, never more parts than tokens."""
+    from mla_cute.schedules import DeviceFacts, resolve_sparse_prefill_fp8
+
+    call = resolve_sparse_prefill_fp8(s_q=4096, h_q=128, has_sink=True, has_topk_length=False)
+    split = call.step.split
+    assert call.parts == 66 and not call.step.with_combine
+    assert (split.s_q, split.h_q, split.crossover, split.producer_halves, split.max_logits) == (1, 128, True, True, True)
+    assert split.has_sink and not split.has_topk_length and not split.partials_16bit
+    low = resolve_sparse_prefill_fp8(s_q=4096, h_q=32, has_sink=False, has_topk_length=True)
+    assert low.parts == 132 and not low.step.split.crossover and not low.step.split.producer_halves
+    assert resolve_sparse_prefill_fp8(s_q=5, h_q=64, has_sink=False, has_topk_length=False).parts == 5
+    assert resolve_sparse_prefill_fp8(s_q=4096, h_q=192, has_sink=False, has_topk_length=False,
+                                      device=DeviceFacts(num_sms=114)).parts == 38
+
+
+def test_prefill_from_the_fp8_cache_hands_the_decode_kernel_whole_tokens(sparse_recorder):
+    """Each query token a request of one position: q as [s_q, 1, h_q, 576], the cache's rows as int32 words,
+    the whole-token plan's records and split counts, out / lse / max_logits as views of the returned tensors,
+    max_logits after the sink; no scheduler runs."""
+    from mla_cute.backends import cute
+    from mla_cute.fp8 import quantize_kv_cache
+    from mla_cute.schedules import whole_token_plan
+
+    s_q, h_q, topk = 5, 128, 64
+    k_cache = quantize_kv_cache(torch.randn(3, 64, 1, 576).bfloat16())
+    q = torch.randn(s_q, h_q, 576).bfloat16()
+    indices = torch.randint(-1, 192, (s_q, 1, topk), dtype=torch.int32)
+    lengths = torch.tensor([64, 0, 3, 64, 10], dtype=torch.int32)
+    out, max_logits, lse = cute.sparse_prefill_fp8(q, k_cache, indices, 0.25, None, lengths)
+    assert out.shape == (s_q, h_q, 512) and max_logits.shape == lse.shape == (s_q, h_q)
+    (step,) = sparse_recorder["compiled"]
+    assert step.split.max_logits and not step.with_combine and sparse_recorder["scheduler"] == []
+    (qq, cache, idx, tl, records, splits, o, l, _, _, sk, top, scale) = sparse_recorder["steps"][0]
+    assert qq.shape == (s_q, 1, h_q, 576) and torch.equal(qq[:, 0], q)
+    assert cache.dtype == torch.int32 and cache.shape == (3, 64, 164)
+    assert idx is indices and tl.tolist() == lengths.tolist() and sk is None
+    want_records, want_splits = whole_token_plan(s_q, 5)  # 66 parts, never more than the tokens
+    assert torch.equal(records, want_records) and torch.equal(splits, want_splits)
+    assert o.data_ptr() == out.data_ptr() and o.shape == (s_q, 1, h_q, 512)
+    assert l.data_ptr() == lse.data_ptr() and l.shape == (s_q, h_q, 1)
+    assert top.data_ptr() == max_logits.data_ptr() and top.shape == (s_q, h_q, 1)
+    assert math.isclose(scale, 0.25 * math.log2(math.e), rel_tol=1e-12)
+
+
+def test_compile_sparse_refuses_max_logits_with_the_combine():
+    import dataclasses
+
+    from mla_cute.kernels.build import compile_sparse
+    from mla_cute.schedules import resolve_sparse_prefill_fp8
+
+    step = resolve_sparse_prefill_fp8(s_q=8, h_q=64, has_sink=False, has_topk_length=False).step
+    with pytest.raises(ValueError, match="max_logits"):
+        compile_sparse(dataclasses.replace(step, with_combine=True))
+
+
 def test_prefill_resolves_parts_per_head_tile():
     """One CTA an SM: parts = SMs / head tiles, never more than the tokens; the config carries what the kernel
     compiles from."""
@@ -816,7 +887,7 @@ def test_sparse_replay_skips_the_checks_of_an_identical_call(sparse_api_on_cute,
     assert second[0] is q2 and second[2] is indices2 and second[6] is out and second[7] is lse
     assert all(a is b for a, b in zip(first[3:6] + first[8:10], second[3:6] + second[8:10]))
     assert torch.equal(first[1], second[1]) and second[1].dtype == torch.int32
-    assert math.isclose(second[11], 0.25 * math.log2(math.e), rel_tol=1e-12)
+    assert math.isclose(second[12], 0.25 * math.log2(math.e), rel_tol=1e-12) and second[11] is None
     assert (second[10] is kw["attn_sink"]) if with_lengths_and_sink else second[10] is None
 
 

@@ -496,3 +496,35 @@ def test_sparse_reference_call_fills_the_metadata():
                                     topk_length=topk_length, backend="reference")
     assert meta.tile_scheduler_metadata.shape == (66, 8) and meta.tile_scheduler_metadata.dtype == torch.int32
     assert meta.num_splits.tolist()[0] == 0 and len(meta.num_splits) == 4
+
+
+@pytest.mark.parametrize("num_tokens,num_parts", [(1, 1), (7, 3), (3, 5), (4096, 66), (70000, 132), (131, 132)])
+def test_whole_token_plan_serves_every_token_once_whole(num_tokens, num_parts):
+    """Prefill from the FP8 cache: each part a contiguous, even share of the tokens (sizes differ by at most
+    one), each token one split from one part, never cut (end block past any token's tiles)."""
+    from mla_cute.schedules import whole_token_plan
+    from mla_cute.schedules.planner import WHOLE_REQUEST_END
+
+    records, num_splits = whole_token_plan(num_tokens, num_parts)
+    assert records.dtype == num_splits.dtype == torch.int32 and records.shape == (num_parts, len(RECORD_FIELDS))
+    assert num_splits.tolist() == list(range(num_tokens + 1))
+    served, sizes = [], []
+    for rec in records.tolist():
+        f = dict(zip(RECORD_FIELDS, rec))
+        assert f["begin_block"] == 0 and f["begin_split_idx"] == 0 and f["pad"] == 0
+        assert f["is_first_req_split"] == f["is_last_req_split"] == 0
+        if f["begin_req"] <= f["end_req"]:
+            assert f["end_block"] == WHOLE_REQUEST_END
+        served += range(f["begin_req"], f["end_req"] + 1)
+        sizes.append(max(f["end_req"] - f["begin_req"] + 1, 0))
+    assert served == list(range(num_tokens))
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_whole_token_plan_rejects_empty_shapes():
+    from mla_cute.schedules import whole_token_plan
+
+    with pytest.raises(ValueError, match="num_tokens and num_parts"):
+        whole_token_plan(0, 4)
+    with pytest.raises(ValueError, match="num_tokens and num_parts"):
+        whole_token_plan(4, 0)

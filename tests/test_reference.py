@@ -519,3 +519,28 @@ def test_sparse_prefill_matches_naive(h_q, with_topk_length, with_sink, d_qk):
         assert torch.all(out[:, 0] == 0)
         if h_q > 1:
             assert torch.equal(out[:, 1], plain_out[:, 1])
+
+
+@pytest.mark.parametrize("with_topk_length", [False, True])
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_sparse_prefill_from_fp8_cache_matches_naive_over_dequantized_rows(with_topk_length, with_sink):
+    """kv as the paged FP8 cache: indices are block * page + offset over all pages, anything outside is
+    invalid; the result is the prefill over the dequantized rows (a naive float64 loop here)."""
+    gen = torch.Generator().manual_seed(40 + with_topk_length + 2 * with_sink)
+    s_q, h_q, topk = 4, 16, 40
+    fp8, tokens = make_fp8_cache(3, 32, gen)  # 96 rows
+    indices = make_sparse_indices(s_q, 1, topk, tokens.shape[0], gen).reshape(s_q, 1, topk)
+    indices[1] = -1  # a query with nothing valid
+    q = torch.randn(s_q, h_q, D_QK, generator=gen).bfloat16()
+    topk_length = torch.tensor([topk, 5, 0, 17], dtype=torch.int32) if with_topk_length else None
+    sink = torch.randn(h_q, generator=gen) * 2 if with_sink else None
+    scale = 0.04
+    out, max_logits, lse = mla_cute.flash_mla_sparse_fwd(q, fp8.view(torch.uint8), indices, scale, attn_sink=sink,
+                                                         topk_length=topk_length, backend="reference")
+    ref_out, ref_max, ref_lse = naive_sparse_prefill(q, tokens.reshape(-1, 1, D_QK), indices, scale, topk_length,
+                                                     sink)
+    assert out.shape == (s_q, h_q, D_V) and max_logits.shape == lse.shape == (s_q, h_q)
+    check_out(out, ref_out, torch.bfloat16)
+    check_lse(lse, ref_lse)
+    torch.testing.assert_close(max_logits, ref_max.float(), atol=1e-4, rtol=0)
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == INF) and torch.all(max_logits[1] == -INF)

@@ -411,6 +411,23 @@ PREFILL_CASES = {
 }
 
 
+def _fp8_kv(a):
+    return mla_cute.quantize_kv_cache(torch.randn(2, 32, 1, D_QK).bfloat16())
+
+
+PREFILL_CASES.update({
+    "fp8_kv_q_512": (lambda a: dict(q=a["q"][..., :512], kv=_fp8_kv(a)), ValueError, "q must have head_dim 576 with"),
+    "fp8_kv_row_bytes": (lambda a: dict(kv=_fp8_kv(a)[..., :640]), ValueError, "kv as the FP8 cache must have shape"),
+    "fp8_kv_two_heads": (lambda a: dict(kv=_fp8_kv(a).repeat(1, 1, 2, 1)), ValueError, "kv as the FP8 cache"),
+    "fp8_kv_bf16_rank4": (lambda a: dict(kv=a["kv"][None]), TypeError, "kv must have dtype torch.float8_e4m3fn"),
+    "fp8_kv_no_blocks": (lambda a: dict(kv=_fp8_kv(a)[:0]), ValueError, "kv must have num_blocks >= 1"),
+    "fp8_kv_indices_shape": (lambda a: dict(kv=_fp8_kv(a), indices=a["indices"][:1]), ValueError,
+                             "indices must have shape"),
+    "fp8_kv_cute_on_cpu": (lambda a: dict(kv=_fp8_kv(a), backend="cute"), ValueError,
+                           "'cute' backend needs CUDA tensors"),
+})
+
+
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
 def test_sparse_prefill_rejects(case):
     make, exc, match = PREFILL_CASES[case]

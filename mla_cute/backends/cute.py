@@ -17,8 +17,9 @@ import torch
 from ..device import device_facts, num_sms
 from ..fp8 import FP8_BYTES_PER_TOKEN
 from ..schedules.dense import DenseDecodeSchedule
+from ..schedules.planner import whole_token_plan
 from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, resolve_dense, resolve_sparse, resolve_sparse_prefill,
-                                sparse_precompile_steps, sparse_prefill_precompile_configs)
+                                resolve_sparse_prefill_fp8, sparse_precompile_steps, sparse_prefill_precompile_configs)
 from ..schedules.sparse import SparseDecodeSchedule
 
 _LOG2_E = math.log2(math.e)
@@ -203,15 +204,16 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
 
 
 # ---------------------------------------------------------------- sparse FP8 decode
-def check_sparse_supported(k_cache: torch.Tensor) -> None:
-    """The sparse kernel reads 656-byte rows with 16-byte loads: rows packed within a page, 16-byte aligned."""
+def check_sparse_supported(k_cache: torch.Tensor, name: str = "k_cache") -> None:
+    """The sparse kernel reads 656-byte rows with 16-byte loads: rows packed within a page, 16-byte aligned
+    (``name``: the argument, for the errors)."""
     if k_cache.stride(3) != 1 or k_cache.stride(1) != FP8_BYTES_PER_TOKEN:
         raise NotImplementedError(
-            f"k_cache: the 'cute' sparse kernel needs the {FP8_BYTES_PER_TOKEN}-byte rows of a page packed "
+            f"{name}: the 'cute' sparse kernel needs the {FP8_BYTES_PER_TOKEN}-byte rows of a page packed "
             f"(strides [*, {FP8_BYTES_PER_TOKEN}, *, 1]), got strides {list(k_cache.stride())}"
         )
     if k_cache.data_ptr() % 16 != 0 or k_cache.stride(0) % 16 != 0:
-        raise NotImplementedError("k_cache: the 'cute' sparse kernel needs a 16-byte aligned base and block stride")
+        raise NotImplementedError(f"{name}: the 'cute' sparse kernel needs a 16-byte aligned base and block stride")
 
 
 class SparsePlan:
@@ -267,6 +269,7 @@ def launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink,
         topk_length,
         meta.tile_scheduler_metadata, meta.num_splits, out, lse, plan.o_accum, plan.lse_accum,
         attn_sink.contiguous() if attn_sink is not None else None,
+        None,  # max_logits: decode has none
         softmax_scale * _LOG2_E,
     )
     return out, lse
@@ -344,3 +347,60 @@ def precompile_sparse_prefill(h_q: int, d_qk: int, has_sink: bool, has_topk_leng
     for config in sparse_prefill_precompile_configs(h_q=h_q, d_qk=d_qk, has_sink=has_sink,
                                                     has_topk_length=has_topk_length):
         compile_sparse_prefill(config)
+
+
+# ------------------------------------------------- sparse prefill from the FP8 cache
+_WHOLE_PLANS: dict = {}
+
+
+def _whole_plan(s_q: int, parts: int, device):
+    """``whole_token_plan``'s records and split counts on ``device`` (a shape fact: made once a shape; a few
+    are kept), and the unused partials the kernel's signature takes."""
+    key = (s_q, parts, device)
+    plan = _WHOLE_PLANS.get(key)
+    if plan is None:
+        if len(_WHOLE_PLANS) >= 16:
+            _WHOLE_PLANS.pop(next(iter(_WHOLE_PLANS)))
+        records, splits = whole_token_plan(s_q, parts)
+        plan = _WHOLE_PLANS[key] = (records.to(device), splits.to(device))
+    return plan
+
+
+def sparse_prefill_fp8(q, k_cache, indices, sm_scale, attn_sink, topk_length):
+    """out, max_logits, lse of ``flash_mla_sparse_fwd`` over the paged FP8 cache: the sparse decode kernel with
+    each query token a request of one position (``resolve_sparse_prefill_fp8``), every token served whole by
+    one part (``whole_token_plan``), max_logits written beside lse (one launch, no combine)."""
+    from ..kernels.build import compile_sparse
+
+    s_q, h_q, _ = q.shape
+    call = resolve_sparse_prefill_fp8(s_q=s_q, h_q=h_q, has_sink=attn_sink is not None,
+                                      has_topk_length=topk_length is not None,
+                                      device=DeviceFacts(num_sms=num_sms(q.device)))
+    kernel = compile_sparse(call.step)
+    records, splits = _whole_plan(s_q, call.parts, q.device)
+    out = torch.empty(s_q, h_q, 512, dtype=q.dtype, device=q.device)
+    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    lse = torch.empty_like(max_logits)
+    # No split: the partials are never written; the signature takes one request's worth.
+    o_accum = torch.empty(1, 1, h_q, 512, dtype=torch.float32, device=q.device)
+    lse_accum = torch.empty(1, 1, h_q, dtype=torch.float32, device=q.device)
+    rows = q.unsqueeze(1)  # [s_q, 1, h_q, 576]: a token is a request of one position
+    kernel(
+        rows if _aligned(rows) else _packed_copy(rows),
+        k_cache.view(torch.int32).select(2, 0),
+        (indices if indices.stride(-1) == 1 else indices.contiguous()),
+        topk_length.contiguous() if topk_length is not None else None,
+        records, splits, out.unsqueeze(1), lse.unsqueeze(-1), o_accum, lse_accum,
+        attn_sink.contiguous() if attn_sink is not None else None,
+        max_logits.unsqueeze(-1),
+        sm_scale * _LOG2_E,
+    )
+    return out, max_logits, lse
+
+
+def precompile_sparse_prefill_fp8(h_q: int, has_sink: bool, has_topk_length: bool) -> None:
+    """The kernel a prefill call over the FP8 cache of this configuration resolves to."""
+    from ..kernels.build import compile_sparse
+
+    compile_sparse(resolve_sparse_prefill_fp8(s_q=1, h_q=h_q, has_sink=has_sink,
+                                              has_topk_length=has_topk_length).step)

@@ -131,6 +131,17 @@ def _sparse_attend(
     return out, lse, max_logit
 
 
+def _fp8_rows(k_cache: torch.Tensor, d: int):
+    """The cache's 656-byte rows, one a token (index block * page + offset), and ``rows_of(tokens)``: those
+    rows dequantized to fp32 ``[m, d]`` (only the rows read)."""
+    raw = k_cache.reshape(-1, FP8_BYTES_PER_TOKEN).view(torch.uint8)
+
+    def rows_of(tokens: torch.Tensor) -> torch.Tensor:
+        return dequantize_kv_cache(raw[tokens].reshape(-1, 1, 1, FP8_BYTES_PER_TOKEN)).reshape(-1, d).float()
+
+    return raw, rows_of
+
+
 def sparse_decode_fp8(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -147,11 +158,7 @@ def sparse_decode_fp8(
     topk_length [b]; attn_sink [h_q].  Returns out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q].
     """
     b, s_q, h_q, d = q.shape
-    raw = k_cache.reshape(-1, FP8_BYTES_PER_TOKEN).view(torch.uint8)  # one 656-byte row a token
-
-    def rows_of(tokens: torch.Tensor) -> torch.Tensor:  # dequantize only the rows read
-        return dequantize_kv_cache(raw[tokens].reshape(-1, 1, 1, FP8_BYTES_PER_TOKEN)).reshape(-1, d).float()
-
+    raw, rows_of = _fp8_rows(k_cache, d)
     topk = indices.shape[-1]
     idx = indices.reshape(b * s_q, topk).long()
     valid = (idx >= 0) & (idx < raw.shape[0])
@@ -184,4 +191,27 @@ def sparse_prefill(
         valid &= torch.arange(topk, device=q.device).unsqueeze(0) < topk_length.long().unsqueeze(1)
     rows = kv.reshape(s_kv, d)
     out, lse, max_logit = _sparse_attend(q, lambda tokens: rows[tokens].float(), idx, valid, sm_scale, d_v, attn_sink)
+    return out, max_logit, lse
+
+
+def sparse_prefill_fp8(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = D_LATENT,
+    attn_sink: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse prefill over the paged FP8 cache: q [s_q, h_q, 576], k_cache [num_blocks, page, 1, 656],
+    indices [s_q, 1, topk] (block * page + offset; valid when 0 <= index < num_blocks * page): the prefill
+    of :func:`sparse_prefill` over the dequantized cache.  Returns out, max_logits, lse as it does."""
+    s_q, h_q, d = q.shape
+    raw, rows_of = _fp8_rows(k_cache, d)
+    topk = indices.shape[-1]
+    idx = indices.reshape(s_q, topk).long()
+    valid = (idx >= 0) & (idx < raw.shape[0])
+    if topk_length is not None:
+        valid &= torch.arange(topk, device=q.device).unsqueeze(0) < topk_length.long().unsqueeze(1)
+    out, lse, max_logit = _sparse_attend(q, rows_of, idx, valid, sm_scale, d_v, attn_sink)
     return out, max_logit, lse
