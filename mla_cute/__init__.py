@@ -9,7 +9,8 @@ from .api import (
     use_schedule,
 )
 from .backend import select_backend
-from .fp8 import FP8_BYTES_PER_TOKEN, dequantize_kv_cache, quantize_kv_cache
+from .fp8 import FP8_BYTES_PER_TOKEN
+from .kv_formats import dequantize_kv_cache, quantize_kv_cache
 
 __version__ = "0.1.0"
 

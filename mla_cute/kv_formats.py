@@ -1,0 +1,191 @@
+"""The quantized sparse-decode cache formats besides V3.2's 656-byte row (``fp8.py``), byte-compatible with
+FlashMLA's quantizers.  Each quantizes a 16-bit cache ``[num_blocks, page, 1, d_qk]`` and dequantizes to bf16.
+
+  V32_NO_ROPE  528 B, d_qk 512: per token 512 e4m3, then 4 fp32 power-of-two scales (one per 128 values).
+  V4           584 B, d_qk 512, page-blocked: a page holds ``page`` data rows of 576 B (448 e4m3 values, then
+               the 64 RoPE values as bf16), then ``page`` scale rows of 8 B (7 ue8m0 scales, one per 64 e4m3
+               values, and a zero pad byte); a page takes ``576 * ceil(584 * page / 576)`` bytes, so the cache
+               ``[num_blocks, page, 1, 584]`` is a view with that block stride (its 584-byte rows are formal:
+               a token's bytes are where the layout says).
+  V41          528 B, d_qk 512: per token 512 e4m3 values (the RoPE part quantized too), then 16 ue8m0 scales
+               (one per 32 values).
+  V41_FP4      288 B, d_qk 512: per token 512 e2m1 values in 256 bytes (the even index in the low nibble), then
+               32 e4m3 scales (one per 16 values); the extra cache beside a V41 main cache.
+
+Scales of the e4m3 formats are powers of two, ``2 ** max(-13, ceil(log2(amax / 448)))`` per tile (FlashMLA's
+rule, the one of ``fp8.py``); a ue8m0 byte is the exponent plus 127 (0xFF for a tile holding NaN or inf).  The
+fp4 scale is ``e4m3(clamp(amax / 6, 2^-9, 448))`` (0x7F for a tile holding NaN or inf), the values rounded to the
+nearest e2m1 magnitude, ties to the even code.  Dequantization is exact in bf16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .fp8 import FP8_BYTES_PER_TOKEN, dequantize_kv_cache as _dequantize_v32, quantize_kv_cache as _quantize_v32
+
+D_V4 = 512
+V4_NOPE, V4_TILE, V4_TILES = 448, 64, 7
+V4_DATA_ROW = V4_NOPE + (D_V4 - V4_NOPE) * 2  # 576
+V4_SCALE_ROW = 8
+
+BYTES_PER_TOKEN = {"V32": FP8_BYTES_PER_TOKEN, "V32_NO_ROPE": 528, "V4": 584, "V41": 528, "V41_FP4": 288}
+HEAD_DIM = {"V32": 576, "V32_NO_ROPE": 512, "V4": 512, "V41": 512, "V41_FP4": 512}
+_FP8_MAX = 448.0
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def format_of(k_cache: torch.Tensor, kv_format=None) -> str:
+    """``kv_format`` checked, or the format the cache's bytes per token name (528 means V41: V32_NO_ROPE must be
+    said, FlashMLA's rule)."""
+    if kv_format is not None:
+        if kv_format not in BYTES_PER_TOKEN:
+            raise ValueError(f"kv_format must be one of {sorted(BYTES_PER_TOKEN)}, got {kv_format!r}")
+        return kv_format
+    by_bytes = {656: "V32", 584: "V4", 528: "V41", 288: "V41_FP4"}
+    last = k_cache.shape[-1] if isinstance(k_cache, torch.Tensor) and k_cache.dim() else None
+    if last not in by_bytes:
+        raise ValueError(f"k_cache's last dimension ({last}) names no format: 656 (V32), 584 (V4), 528 (V41, or "
+                         "V32_NO_ROPE with kv_format='V32_NO_ROPE') or 288 (V41_FP4)")
+    return by_bytes[last]
+
+
+def v4_page_bytes(page: int) -> int:
+    """Bytes of one V4 page: its 584 * page bytes rounded up to a multiple of 576."""
+    return 576 * math.ceil(584 * page / 576)
+
+
+def _check(name: str, t, dim_last: int, dtypes: tuple) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4 or t.shape[2] != 1 or t.shape[3] != dim_last:
+        raise ValueError(f"{name} must have shape [num_blocks, page_block_size, 1, {dim_last}], got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+_HALF_IN = (torch.bfloat16, torch.float16, torch.float32)
+_BYTES_IN = (torch.float8_e4m3fn, torch.uint8, torch.int8)
+
+
+def _pow2_exponent(tiles: torch.Tensor) -> torch.Tensor:
+    """Per tile (last dim) the scale exponent e, scale = 2^e (fp32; NaN where the tile holds NaN or inf)."""
+    amax = tiles.abs().amax(dim=-1)
+    return torch.ceil(torch.log2(torch.clamp_min(amax / _FP8_MAX, 1e-4)))
+
+
+def _e4m3_tiles(x: torch.Tensor, tile: int):
+    """x [..., d] fp32 in tiles of ``tile``: (e4m3 bytes [..., d], exponents [..., d / tile])."""
+    t = x.reshape(*x.shape[:-1], -1, tile)
+    e = _pow2_exponent(t)
+    q = (t / torch.pow(2.0, e).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8).reshape(x.shape), e
+
+
+def _ue8m0(e: torch.Tensor) -> torch.Tensor:
+    """ue8m0 bytes of exponents (0xFF where NaN or infinite)."""
+    ok = torch.isfinite(e)
+    return torch.where(ok, torch.where(ok, e, 0.0) + 127, 255.0).to(torch.uint8)
+
+
+def _from_ue8m0(b: torch.Tensor) -> torch.Tensor:
+    e = b.to(torch.float32) - 127
+    return torch.where(b == 255, torch.nan, torch.pow(2.0, e))
+
+
+def _e4m3_values(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float8_e4m3fn).float()
+
+
+def _pages(k_cache: torch.Tensor, row: int) -> torch.Tensor:
+    """A cache's pages as raw bytes [num_blocks, row * page] from each page's base (strided V4 caches included)."""
+    raw = k_cache.view(torch.uint8)
+    nb, page = raw.shape[0], raw.shape[1]
+    return torch.as_strided(raw, (nb, row * page), (raw.stride(0), 1), raw.storage_offset())
+
+
+def quantize_kv_cache(k_cache: torch.Tensor, kv_format: str = "V32") -> torch.Tensor:
+    """Quantize a 16-bit cache ``[num_blocks, page, 1, d_qk]`` (d_qk 576 for V32, else 512) into ``kv_format``.
+    Returns a ``torch.float8_e4m3fn`` tensor ``[num_blocks, page, 1, bytes per token]`` (for V4 a view with the
+    padded page stride)."""
+    fmt = format_of(None, kv_format)
+    if fmt == "V32":
+        return _quantize_v32(k_cache)
+    _check("k_cache", k_cache, HEAD_DIM[fmt], _HALF_IN)
+    nb, page = k_cache.shape[0], k_cache.shape[1]
+    x = k_cache.reshape(nb, page, -1).float()
+    if fmt == "V4":
+        q, e = _e4m3_tiles(x[..., :V4_NOPE], V4_TILE)
+        buf = torch.zeros(nb, v4_page_bytes(page), dtype=torch.uint8, device=k_cache.device)
+        data = buf[:, : V4_DATA_ROW * page].view(nb, page, V4_DATA_ROW)
+        data[..., :V4_NOPE] = q
+        data[..., V4_NOPE:] = k_cache.reshape(nb, page, -1)[..., V4_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
+        scales = buf[:, V4_DATA_ROW * page : (V4_DATA_ROW + V4_SCALE_ROW) * page].view(nb, page, V4_SCALE_ROW)
+        scales[..., :V4_TILES] = _ue8m0(e)
+        return buf.view(torch.float8_e4m3fn)[:, : 584 * page].view(nb, page, 1, 584)
+    out = torch.empty(nb, page, BYTES_PER_TOKEN[fmt], dtype=torch.uint8, device=k_cache.device)
+    if fmt == "V32_NO_ROPE":
+        q, e = _e4m3_tiles(x, 128)
+        out[..., :512] = q
+        out[..., 512:] = torch.pow(2.0, e).contiguous().view(torch.uint8)
+    elif fmt == "V41":
+        q, e = _e4m3_tiles(x, 32)
+        out[..., :512] = q
+        out[..., 512:] = _ue8m0(e)
+    else:  # V41_FP4
+        codes, scale = _e2m1_tiles(x)
+        out[..., :256] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        out[..., 256:] = scale
+    return out.view(torch.float8_e4m3fn).reshape(nb, page, 1, -1)
+
+
+def _e2m1_tiles(x: torch.Tensor):
+    """x [..., 512] fp32 in tiles of 16: (e2m1 codes [..., 512] uint8, e4m3 scale bytes [..., 32])."""
+    t = x.reshape(*x.shape[:-1], 32, 16)
+    amax = torch.where(torch.isnan(t), torch.inf, t.abs()).amax(dim=-1)
+    s = torch.clamp(amax / 6.0, 2.0**-9, _FP8_MAX).to(torch.float8_e4m3fn)
+    s_bytes = torch.where(torch.isinf(amax), 0x7F, s.view(torch.uint8).to(torch.int32)).to(torch.uint8)
+    v = t / s.float().unsqueeze(-1)
+    a = torch.nan_to_num(v.abs(), nan=0.0, posinf=6.0).clamp(max=6.0)
+    mids = torch.tensor(_E2M1_MIDS, device=x.device)
+    code = torch.bucketize(a, mids)  # mids[code - 1] < a <= mids[code]
+    tie = (code < len(_E2M1_MIDS)) & (a == mids[code.clamp(max=len(_E2M1_MIDS) - 1)]) & (code % 2 == 1)
+    code = code + tie.to(code.dtype)
+    code = code | torch.where(torch.signbit(v), 8, 0)
+    return code.to(torch.uint8).reshape(x.shape), s_bytes
+
+
+def dequantize_kv_cache(k_cache: torch.Tensor, kv_format=None) -> torch.Tensor:
+    """Expand a quantized cache ``[num_blocks, page, 1, bytes per token]`` back to bf16 ``[num_blocks, page, 1,
+    d_qk]``; ``kv_format`` as the bytes per token name it unless given (528 bytes: V41 unless said)."""
+    fmt = format_of(k_cache, kv_format)
+    if fmt == "V32":
+        return _dequantize_v32(k_cache)
+    _check("k_cache", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
+    nb, page = k_cache.shape[0], k_cache.shape[1]
+    if fmt == "V4":
+        pages = _pages(k_cache, 584)
+        data = pages[:, : V4_DATA_ROW * page].reshape(nb, page, V4_DATA_ROW)
+        scales = pages[:, V4_DATA_ROW * page :].reshape(nb, page, V4_SCALE_ROW)[..., :V4_TILES]
+        nope = _e4m3_values(data[..., :V4_NOPE]).reshape(nb, page, V4_TILES, V4_TILE) * _from_ue8m0(scales).unsqueeze(-1)
+        out = torch.empty(nb, page, D_V4, dtype=torch.bfloat16, device=k_cache.device)
+        out[..., :V4_NOPE] = nope.reshape(nb, page, V4_NOPE).to(torch.bfloat16)
+        out[..., V4_NOPE:] = data[..., V4_NOPE:].contiguous().view(torch.bfloat16)
+        return out.reshape(nb, page, 1, D_V4)
+    raw = k_cache.reshape(nb, page, -1).view(torch.uint8)
+    if fmt == "V32_NO_ROPE":
+        vals = _e4m3_values(raw[..., :512]).reshape(nb, page, 4, 128)
+        scale = raw[..., 512:].contiguous().view(torch.float32)
+    elif fmt == "V41":
+        vals = _e4m3_values(raw[..., :512]).reshape(nb, page, 16, 32)
+        scale = _from_ue8m0(raw[..., 512:])
+    else:  # V41_FP4
+        packed = raw[..., :256].to(torch.int64)
+        codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(nb, page, 512)
+        mag = torch.tensor(_E2M1, device=k_cache.device)[codes & 7]
+        vals = torch.where(codes >= 8, -mag, mag).reshape(nb, page, 32, 16)
+        scale = _e4m3_values(raw[..., 256:])
+    return (vals * scale.unsqueeze(-1)).reshape(nb, page, 1, 512).to(torch.bfloat16)
