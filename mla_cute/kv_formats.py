@@ -189,3 +189,23 @@ def dequantize_kv_cache(k_cache: torch.Tensor, kv_format=None) -> torch.Tensor:
         vals = torch.where(codes >= 8, -mag, mag).reshape(nb, page, 32, 16)
         scale = _e4m3_values(raw[..., 256:])
     return (vals * scale.unsqueeze(-1)).reshape(nb, page, 1, 512).to(torch.bfloat16)
+
+
+def gather_rows(k_cache: torch.Tensor, tokens: torch.Tensor, kv_format=None) -> torch.Tensor:
+    """Tokens ``block * page + offset`` (each within the cache) of a quantized cache, dequantized: fp32 ``[m, d_qk]``.
+    Only the rows named are read (a V4 token's data and scale rows from its page)."""
+    fmt = format_of(k_cache, kv_format)
+    bpt = BYTES_PER_TOKEN[fmt]
+    tokens = tokens.reshape(-1).long()
+    if fmt != "V4":
+        raw = k_cache.reshape(-1, bpt).view(torch.uint8)
+        rows = raw[tokens].reshape(-1, 1, 1, bpt)
+    else:
+        page = k_cache.shape[1]
+        pages = _pages(k_cache, 584)
+        blk, slot = tokens // page, tokens % page
+        data = pages[blk.unsqueeze(1), (V4_DATA_ROW * slot).unsqueeze(1) + torch.arange(V4_DATA_ROW, device=tokens.device)]
+        at = V4_DATA_ROW * page + V4_SCALE_ROW * slot
+        scales = pages[blk.unsqueeze(1), at.unsqueeze(1) + torch.arange(V4_SCALE_ROW, device=tokens.device)]
+        rows = torch.cat([data, scales], dim=1).reshape(-1, 1, 1, 584)  # one-token pages: data row, then scales
+    return dequantize_kv_cache(rows, kv_format=fmt).reshape(-1, HEAD_DIM[fmt]).float()

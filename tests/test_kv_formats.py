@@ -126,3 +126,14 @@ def test_format_follows_the_bytes_unless_given():
         mla_cute.quantize_kv_cache(_rows(1, 4, "V32"), kv_format="V4")
     with pytest.raises(TypeError, match="k_cache must have dtype"):
         mla_cute.quantize_kv_cache(x.to(torch.int32), kv_format="V41")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gather_rows_reads_the_named_tokens(fmt):
+    from mla_cute.kv_formats import gather_rows
+
+    page = 16
+    c = mla_cute.quantize_kv_cache(_rows(5, page, fmt, seed=9), kv_format=fmt)
+    whole = mla_cute.dequantize_kv_cache(c, kv_format=fmt).reshape(5 * page, -1).float()
+    tokens = torch.tensor([0, 17, 79, 33, 33, 64])
+    assert torch.equal(gather_rows(c, tokens, kv_format=fmt), whole[tokens])
