@@ -202,6 +202,7 @@ def flash_mla_with_kvcache(
     topk_length: Optional[torch.Tensor] = None,
     extra_topk_length: Optional[torch.Tensor] = None,
     *,
+    kv_format: Optional[str] = None,
     backend: Optional[str] = None,
     schedule: Optional[DenseDecodeSchedule] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -227,8 +228,12 @@ def flash_mla_with_kvcache(
         num_splits: must be None.  softmax_scale: default ``576 ** -0.5``; a finite float > 0
             (an int, a numpy number or a 0-dim tensor is read with ``float()``; a bool is refused).
         causal: a bool (a numpy bool too; an int such as 1 is refused).
-        extra_k_cache / extra_indices_in_kvcache / extra_topk_length: FlashMLA's MODEL1
-            extra pool, not supported (NotImplementedError when given).
+        kv_format (keyword): the sparse cache's format (``mla_cute.kv_formats``): "V32" (656 bytes, d_qk 576),
+            "V32_NO_ROPE" (528), "V4" (584), "V41" (528), with q's head_dim 512 for the last three; None: as
+            the bytes per token name it (528: V41).  The cute backend reads V32 only so far.
+        extra_k_cache / extra_indices_in_kvcache / extra_topk_length: a second quantized cache (its own page
+            size and blocks; V41_FP4 beside V41, else k_cache's format) whose indices join the same softmax: out
+            and lse over the union of both index sets.  Reference backend only so far.
         backend: ``"cute"`` or ``"reference"`` (keyword only; default by device, or the
             ``MLA_CUTE_BACKEND`` environment variable).
         schedule: a ``mla_cute.schedules.DenseDecodeSchedule`` for the dense cute kernel
@@ -242,7 +247,7 @@ def flash_mla_with_kvcache(
     if type(causal) is not bool:  # a numpy bool becomes a bool; anything else is a TypeError (before any work)
         causal = V.check_causal(causal)
     if (num_splits is None and extra_k_cache is None and extra_indices_in_kvcache is None
-            and extra_topk_length is None and type(tile_scheduler_metadata) is FlashMLASchedMeta
+            and extra_topk_length is None and kv_format is None and type(tile_scheduler_metadata) is FlashMLASchedMeta
             and tile_scheduler_metadata._replay is not None):
         if indices is None and attn_sink is None and topk_length is None:
             done = _replay_dense(tile_scheduler_metadata, q, k_cache, block_table, cache_seqlens, head_dim_v,
@@ -255,17 +260,18 @@ def flash_mla_with_kvcache(
             return done
     if num_splits is not None:
         raise ValueError("num_splits must be None (the split counts live in tile_scheduler_metadata)")
-    for name, val in (
-        ("extra_k_cache", extra_k_cache),
-        ("extra_indices_in_kvcache", extra_indices_in_kvcache),
-        ("extra_topk_length", extra_topk_length),
-    ):
-        if val is not None:
-            raise NotImplementedError(f"{name} (FlashMLA's MODEL1 extra KV pool) is not supported by mla-cute")
-    softmax_scale = _DEFAULT_SCALE if softmax_scale is None else V.check_scale("softmax_scale", softmax_scale)
+    extras = (("extra_k_cache", extra_k_cache), ("extra_indices_in_kvcache", extra_indices_in_kvcache),
+              ("extra_topk_length", extra_topk_length))
+    given = any(val is not None for _, val in extras)
+    if softmax_scale is not None:
+        softmax_scale = V.check_scale("softmax_scale", softmax_scale)
+    elif indices is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
+        softmax_scale = q.shape[-1] ** -0.5  # FlashMLA's default: q's head_dim
+    else:
+        softmax_scale = _DEFAULT_SCALE
 
     if indices is None:
-        for name, val in (("attn_sink", attn_sink), ("topk_length", topk_length)):
+        for name, val in (("attn_sink", attn_sink), ("topk_length", topk_length), ("kv_format", kv_format)) + extras:
             if val is not None:
                 raise ValueError(f"{name} is only valid for sparse decode (with indices); got it with indices=None")
         if block_table is None or cache_seqlens is None:
@@ -306,10 +312,18 @@ def flash_mla_with_kvcache(
         V.check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,))
     if cache_seqlens is not None:
         V.check_tensor("cache_seqlens", cache_seqlens, dim=1, dtypes=(torch.int32,))
-    V.check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal)
+    fmt, extra_fmt = V.check_sparse_decode(
+        q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal, kv_format,
+        (extra_k_cache, extra_indices_in_kvcache, extra_topk_length) if given else None)
     kind = select_backend(q.device, backend)
     sched = _resolve_schedule(schedule, SparseDecodeSchedule)
     if kind == "cute":
+        if fmt != "V32":
+            raise NotImplementedError(f"kv_format {fmt}: the 'cute' sparse kernel reads the V32 cache only so far "
+                                      "(backend='reference' runs every format)")
+        if given:
+            raise NotImplementedError("extra_k_cache: the 'cute' sparse kernel reads one cache so far "
+                                      "(backend='reference' runs two)")
         cute.check_sparse_supported(k_cache)
     config = FlashMLASchedMeta.Config(
         q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
@@ -322,7 +336,9 @@ def flash_mla_with_kvcache(
         if kind == "reference":
             if first:
                 _fill_sparse_reference_metadata(tile_scheduler_metadata, q, indices.shape[-1], topk_length, sched)
-            return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v)
+            extra = (extra_k_cache, extra_fmt, extra_indices_in_kvcache, extra_topk_length) if given else None
+            return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v,
+                                               fmt, extra)
         out, lse = cute.sparse_decode(
             q, k_cache, indices, topk_length, attn_sink, softmax_scale, tile_scheduler_metadata, first, sched,
         )

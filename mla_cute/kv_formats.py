@@ -38,17 +38,19 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-def format_of(k_cache: torch.Tensor, kv_format=None) -> str:
+def format_of(k_cache: torch.Tensor, kv_format=None, name: str = "k_cache") -> str:
     """``kv_format`` checked, or the format the cache's bytes per token name (528 means V41: V32_NO_ROPE must be
-    said, FlashMLA's rule)."""
+    said, FlashMLA's rule); ``name``: the cache's argument, for the errors."""
     if kv_format is not None:
         if kv_format not in BYTES_PER_TOKEN:
             raise ValueError(f"kv_format must be one of {sorted(BYTES_PER_TOKEN)}, got {kv_format!r}")
         return kv_format
+    if not isinstance(k_cache, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(k_cache).__name__}")
     by_bytes = {656: "V32", 584: "V4", 528: "V41", 288: "V41_FP4"}
-    last = k_cache.shape[-1] if isinstance(k_cache, torch.Tensor) and k_cache.dim() else None
+    last = k_cache.shape[-1] if k_cache.dim() else None
     if last not in by_bytes:
-        raise ValueError(f"k_cache's last dimension ({last}) names no format: 656 (V32), 584 (V4), 528 (V41, or "
+        raise ValueError(f"{name}'s last dimension ({last}) names no format: 656 (V32), 584 (V4), 528 (V41, or "
                          "V32_NO_ROPE with kv_format='V32_NO_ROPE') or 288 (V41_FP4)")
     return by_bytes[last]
 
@@ -158,13 +160,14 @@ def _e2m1_tiles(x: torch.Tensor):
     return code.to(torch.uint8).reshape(x.shape), s_bytes
 
 
-def dequantize_kv_cache(k_cache: torch.Tensor, kv_format=None) -> torch.Tensor:
+def dequantize_kv_cache(k_cache_fp8: torch.Tensor, kv_format=None) -> torch.Tensor:
     """Expand a quantized cache ``[num_blocks, page, 1, bytes per token]`` back to bf16 ``[num_blocks, page, 1,
     d_qk]``; ``kv_format`` as the bytes per token name it unless given (528 bytes: V41 unless said)."""
-    fmt = format_of(k_cache, kv_format)
+    k_cache = k_cache_fp8
+    fmt = format_of(k_cache, kv_format, "k_cache_fp8")
     if fmt == "V32":
         return _dequantize_v32(k_cache)
-    _check("k_cache", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
+    _check("k_cache_fp8", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
     nb, page = k_cache.shape[0], k_cache.shape[1]
     if fmt == "V4":
         pages = _pages(k_cache, 584)

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from .fp8 import D_LATENT, D_QK, FP8_BYTES_PER_TOKEN
+from .kv_formats import BYTES_PER_TOKEN, HEAD_DIM
 
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8, torch.int8)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -174,7 +175,10 @@ def _check_topk_length_and_sink(topk_length, length_shape: tuple, length_what: s
         check_shape("attn_sink", attn_sink, (h_q,), "[h_q]")
 
 
-def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal) -> None:
+def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal,
+                        kv_format=None, extra=None) -> tuple:
+    """Shapes, dtypes and devices of a sparse decode call; ``extra``: (extra_k_cache, extra_indices_in_kvcache,
+    extra_topk_length) or None.  Returns the formats of the cache and the extra cache (None without one)."""
     if not is_fp8_kvcache:
         raise ValueError("is_fp8_kvcache must be True when indices is given (sparse decode reads the FP8 cache)")
     if causal:
@@ -182,24 +186,56 @@ def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v,
     check_tensor("q", q, dim=4, dtypes=(torch.bfloat16,))
     check_device("q", q)
     b, s_q, h_q, d = q.shape
-    if d != D_QK:
-        raise ValueError(f"q must have head_dim {D_QK}, got {d}")
     if b < 1 or s_q < 1 or h_q < 1:
         raise ValueError(f"q must have batch, s_q and h_q >= 1, got shape {list(q.shape)}")
     if head_dim_v != D_LATENT:
         raise ValueError(f"head_dim_v must be {D_LATENT}, got {head_dim_v}")
-    check_tensor("k_cache", k_cache, dim=4, dtypes=FP8_CACHE_DTYPES)
-    if k_cache.shape[2] != 1 or k_cache.shape[3] != FP8_BYTES_PER_TOKEN:
-        raise ValueError(
-            f"k_cache must have shape [num_blocks, page_block_size, 1, {FP8_BYTES_PER_TOKEN}], got {list(k_cache.shape)}"
-        )
-    if k_cache.shape[0] < 1 or k_cache.shape[1] < 1:
-        raise ValueError(f"k_cache must have num_blocks >= 1 and page_block_size >= 1, got shape {list(k_cache.shape)}")
+    fmt = _check_quantized_cache("k_cache", k_cache, kv_format)
+    if fmt == "V41_FP4":
+        raise ValueError("kv_format V41_FP4 is only valid for extra_k_cache, beside a V41 k_cache")
+    if d != HEAD_DIM[fmt]:
+        raise ValueError(f"q must have head_dim {HEAD_DIM[fmt]} with a {fmt} cache, got {d}")
     check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))
     if tuple(indices.shape[:2]) != (b, s_q) or indices.shape[2] < 1:
         raise ValueError(f"indices must have shape [batch_size={b}, s_q={s_q}, topk>=1], got {list(indices.shape)}")
     _check_topk_length_and_sink(topk_length, (b,), "[batch_size]", attn_sink, h_q)
     check_same_device("q", q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
+    if extra is None:
+        return fmt, None
+    extra_k_cache, extra_indices, extra_topk_length = extra
+    if extra_k_cache is None or extra_indices is None:
+        raise ValueError("extra_k_cache and extra_indices_in_kvcache must be given together "
+                         "(extra_topk_length only with them)")
+    same = fmt if extra_k_cache.dim() == 4 and extra_k_cache.shape[-1] == BYTES_PER_TOKEN[fmt] else None
+    extra_fmt = _check_quantized_cache("extra_k_cache", extra_k_cache, same)
+    if extra_fmt == "V41_FP4" and fmt != "V41":
+        raise ValueError(f"extra_k_cache in V41_FP4 needs a V41 k_cache, got {fmt}")
+    if HEAD_DIM[extra_fmt] != d:
+        raise ValueError(f"extra_k_cache ({extra_fmt}) must hold q's head_dim {d}, it holds {HEAD_DIM[extra_fmt]}")
+    check_tensor("extra_indices_in_kvcache", extra_indices, dim=3, dtypes=(torch.int32,))
+    if tuple(extra_indices.shape[:2]) != (b, s_q) or extra_indices.shape[2] < 1:
+        raise ValueError(f"extra_indices_in_kvcache must have shape [batch_size={b}, s_q={s_q}, extra_topk>=1], "
+                         f"got {list(extra_indices.shape)}")
+    if extra_topk_length is not None:
+        check_tensor("extra_topk_length", extra_topk_length, dim=1, dtypes=(torch.int32,))
+        check_shape("extra_topk_length", extra_topk_length, (b,), "[batch_size]")
+    check_same_device("q", q, extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices,
+                      extra_topk_length=extra_topk_length)
+    return fmt, extra_fmt
+
+
+def _check_quantized_cache(name: str, cache, kv_format) -> str:
+    """A quantized cache ``[num_blocks, page_block_size, 1, bytes per token]``; returns its format."""
+    check_tensor(name, cache, dim=4, dtypes=FP8_CACHE_DTYPES)
+    if kv_format is not None and kv_format not in BYTES_PER_TOKEN:
+        raise ValueError(f"kv_format must be one of {sorted(BYTES_PER_TOKEN)}, got {kv_format!r}")
+    fmt = kv_format or {656: "V32", 584: "V4", 528: "V41", 288: "V41_FP4"}.get(cache.shape[3])
+    if cache.shape[2] != 1 or fmt is None or cache.shape[3] != BYTES_PER_TOKEN[fmt]:
+        want = BYTES_PER_TOKEN[fmt] if fmt else "656 (V32), 584 (V4), 528 (V41, V32_NO_ROPE) or 288 (V41_FP4)"
+        raise ValueError(f"{name} must have shape [num_blocks, page_block_size, 1, {want}], got {list(cache.shape)}")
+    if cache.shape[0] < 1 or cache.shape[1] < 1:
+        raise ValueError(f"{name} must have num_blocks >= 1 and page_block_size >= 1, got shape {list(cache.shape)}")
+    return fmt
 
 
 def check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length) -> None:

@@ -120,7 +120,7 @@ def test_format_follows_the_bytes_unless_given():
     assert not torch.equal(mla_cute.dequantize_kv_cache(c), mla_cute.dequantize_kv_cache(c, kv_format="V32_NO_ROPE"))
     with pytest.raises(ValueError, match="kv_format must be one of"):
         mla_cute.quantize_kv_cache(x, kv_format="V5")
-    with pytest.raises(ValueError, match="names no format"):
+    with pytest.raises(ValueError, match="k_cache_fp8's last dimension .* names no format"):
         mla_cute.dequantize_kv_cache(torch.empty(1, 1, 1, 600, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"k_cache must have shape \[num_blocks, page_block_size, 1, 512\]"):
         mla_cute.quantize_kv_cache(_rows(1, 4, "V32"), kv_format="V4")
@@ -137,3 +137,61 @@ def test_gather_rows_reads_the_named_tokens(fmt):
     whole = mla_cute.dequantize_kv_cache(c, kv_format=fmt).reshape(5 * page, -1).float()
     tokens = torch.tensor([0, 17, 79, 33, 33, 64])
     assert torch.equal(gather_rows(c, tokens, kv_format=fmt), whole[tokens])
+
+
+def _decode_case(fmt, nb, page, b, s_q, h_q, topk, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cache = mla_cute.quantize_kv_cache(_rows(nb, page, fmt, seed), kv_format=fmt)
+    tokens = mla_cute.dequantize_kv_cache(cache, kv_format=fmt).reshape(nb * page, -1)
+    idx = torch.randint(-3, nb * page + 3, (b, s_q, topk), generator=gen, dtype=torch.int32)
+    return cache, tokens, idx
+
+
+@pytest.mark.parametrize("fmt,extra_fmt", [("V32_NO_ROPE", None), ("V4", None), ("V41", None), ("V4", "V4"),
+                                           ("V41", "V41_FP4"), ("V41", "V41"), ("V32", "V32")])
+def test_reference_sparse_decode_per_format_matches_dequantize_then_attend(fmt, extra_fmt):
+    """Each format through ``flash_mla_with_kvcache(..., kv_format=...)`` against a float64 loop over the
+    dequantized rows; with an extra cache (its own page size), the loop attends to the union of both index sets
+    (the extra cache's tokens after the main's), each cut at its own length."""
+    from test_reference import check_dense_result, naive_sparse_decode
+
+    b, s_q, h_q = 3, 2, 16
+    d = HEAD_DIM[fmt]
+    q = torch.randn(b, s_q, h_q, d, generator=torch.Generator().manual_seed(1)).bfloat16()
+    cache, tokens, idx = _decode_case(fmt, 4, 16, b, s_q, h_q, 24, seed=2)
+    lengths = torch.tensor([24, 5, 0], dtype=torch.int32)
+    sink = torch.randn(h_q, generator=torch.Generator().manual_seed(3))
+    kw = dict(topk_length=lengths, attn_sink=sink, kv_format="V32_NO_ROPE" if fmt == "V32_NO_ROPE" else None)
+    all_tokens = tokens
+    main = torch.where(torch.arange(24) < lengths[:, None, None], idx, -1)
+    union = main
+    if extra_fmt is not None:
+        e_cache, e_tokens, e_idx = _decode_case(extra_fmt, 3, 8, b, s_q, h_q, 10, seed=4)
+        e_len = torch.tensor([0, 10, 7], dtype=torch.int32)
+        kw.update(extra_k_cache=e_cache, extra_indices_in_kvcache=e_idx, extra_topk_length=e_len)
+        e_valid = (e_idx >= 0) & (e_idx < e_tokens.shape[0]) & (torch.arange(10) < e_len[:, None, None])
+        main = torch.where((main >= 0) & (main < tokens.shape[0]), main, -1)
+        union = torch.cat([main, torch.where(e_valid, e_idx + tokens.shape[0], -1)], dim=-1)
+        all_tokens = torch.cat([tokens, e_tokens])
+    meta = mla_cute.get_mla_metadata()[0]
+    out, lse = mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx,
+                                               backend="reference", **kw)
+    ref_out, ref_lse = naive_sparse_decode(q, all_tokens, union, d**-0.5, None, sink)
+    check_dense_result(out, lse, q, ref_out, ref_lse)
+    assert torch.isinf(lse[2]).all() == (extra_fmt is None)  # request 2: length 0 in the main cache
+
+
+def test_cute_backend_names_what_it_cannot_read_yet(monkeypatch):
+    import mla_cute.api as api
+
+    monkeypatch.setattr(api, "select_backend", lambda device, backend: "cute")
+    cache, _, idx = _decode_case("V4", 2, 16, 1, 1, 16, 8, seed=0)
+    q = torch.zeros(1, 1, 16, 512).bfloat16()
+    meta = mla_cute.get_mla_metadata()[0]
+    with pytest.raises(NotImplementedError, match="kv_format V4"):
+        mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
+    v32, _, idx = _decode_case("V32", 2, 16, 1, 1, 16, 8, seed=0)
+    with pytest.raises(NotImplementedError, match="extra_k_cache"):
+        mla_cute.flash_mla_with_kvcache(torch.zeros(1, 1, 16, 576).bfloat16(), v32, None, None, 512, meta,
+                                        is_fp8_kvcache=True, indices=idx, extra_k_cache=v32,
+                                        extra_indices_in_kvcache=idx)

@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..fp8 import D_LATENT, FP8_BYTES_PER_TOKEN, dequantize_kv_cache
+from ..kv_formats import format_of, gather_rows
 
 _INF = float("inf")
 # Keys held in fp32 at a time (per KV head): 4096 x 576 x 4 bytes = 9 MiB.
@@ -142,6 +143,18 @@ def _fp8_rows(k_cache: torch.Tensor, d: int):
     return raw, rows_of
 
 
+def _scope(cache, fmt, indices, lengths, s_q):
+    """One cache's index set as ``_sparse_attend`` reads it: (idx [b * s_q, topk], valid, tokens in the cache)."""
+    n = cache.shape[0] * cache.shape[1]
+    topk = indices.shape[-1]
+    idx = indices.reshape(-1, topk).long()
+    valid = (idx >= 0) & (idx < n)
+    if lengths is not None:
+        pos = torch.arange(topk, device=idx.device).unsqueeze(0)
+        valid &= pos < lengths.long().repeat_interleave(s_q).unsqueeze(1)
+    return idx, valid, n
+
+
 def sparse_decode_fp8(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -150,21 +163,35 @@ def sparse_decode_fp8(
     topk_length: Optional[torch.Tensor] = None,
     attn_sink: Optional[torch.Tensor] = None,
     head_dim_v: int = D_LATENT,
+    kv_format: Optional[str] = None,
+    extra: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse decode over the 656-byte FP8 cache.
+    """Sparse decode over a quantized cache (``mla_cute.kv_formats``; 656 bytes: V3.2's).
 
-    q [b, s_q, h_q, 576] bf16; k_cache [num_blocks, page, 1, 656]; indices [b, s_q, topk]
-    int32 (block * page + offset; -1 or anything outside the cache is skipped);
-    topk_length [b]; attn_sink [h_q].  Returns out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q].
+    q [b, s_q, h_q, d_qk] bf16 (576 for V32, 512 for the others); k_cache [num_blocks, page, 1, bytes per token];
+    indices [b, s_q, topk] int32 (block * page + offset; -1 or anything outside the cache is skipped);
+    topk_length [b]; attn_sink [h_q]; ``extra``: (extra_k_cache, its format, extra_indices_in_kvcache,
+    extra_topk_length), a second cache whose indices join the same softmax (the union of both sets, a repeated
+    token counted each time).  Returns out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q].
     """
     b, s_q, h_q, d = q.shape
-    raw, rows_of = _fp8_rows(k_cache, d)
-    topk = indices.shape[-1]
-    idx = indices.reshape(b * s_q, topk).long()
-    valid = (idx >= 0) & (idx < raw.shape[0])
-    if topk_length is not None:
-        pos = torch.arange(topk, device=q.device).unsqueeze(0)
-        valid &= pos < topk_length.long().repeat_interleave(s_q).unsqueeze(1)
+    fmt = kv_format or format_of(k_cache)
+    idx, valid, n_main = _scope(k_cache, fmt, indices, topk_length, s_q)
+    caches = [(k_cache, fmt, 0)]
+    if extra is not None:
+        extra_cache, extra_fmt, extra_indices, extra_lengths = extra
+        e_idx, e_valid, _ = _scope(extra_cache, extra_fmt, extra_indices, extra_lengths, s_q)
+        idx, valid = torch.cat([idx, e_idx + n_main], 1), torch.cat([valid, e_valid], 1)
+        caches.append((extra_cache, extra_fmt, n_main))
+
+    def rows_of(tokens: torch.Tensor) -> torch.Tensor:  # dequantize only the rows read
+        rows = torch.empty(tokens.numel(), d, dtype=torch.float32, device=tokens.device)
+        for cache, f, base in caches:  # the main cache's tokens, then the extra cache's (offset by n_main)
+            mine = (tokens < n_main) if base == 0 else (tokens >= n_main)
+            if mine.any():
+                rows[mine] = gather_rows(cache, tokens[mine] - base, kv_format=f)
+        return rows
+
     out, lse, _ = _sparse_attend(q.reshape(b * s_q, h_q, d), rows_of, idx, valid, softmax_scale, head_dim_v,
                                  attn_sink)
     return out.reshape(b, s_q, h_q, head_dim_v), lse.reshape(b, s_q, h_q).transpose(1, 2).contiguous()
