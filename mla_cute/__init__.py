@@ -10,7 +10,7 @@ from .api import (
 )
 from .backend import select_backend
 from .fp8 import FP8_BYTES_PER_TOKEN
-from .kv_formats import dequantize_kv_cache, quantize_kv_cache
+from .kv_formats import dequantize_kv_cache, quantize_kv_cache, write_kv_cache
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,7 @@ __all__ = [
     "flash_mla_sparse_fwd",
     "quantize_kv_cache",
     "dequantize_kv_cache",
+    "write_kv_cache",
     "FP8_BYTES_PER_TOKEN",
     "select_backend",
     "precompile",

@@ -212,3 +212,45 @@ def gather_rows(k_cache: torch.Tensor, tokens: torch.Tensor, kv_format=None) -> 
         scales = pages[blk.unsqueeze(1), at.unsqueeze(1) + torch.arange(V4_SCALE_ROW, device=tokens.device)]
         rows = torch.cat([data, scales], dim=1).reshape(-1, 1, 1, 584)  # one-token pages: data row, then scales
     return dequantize_kv_cache(rows, kv_format=fmt).reshape(-1, HEAD_DIM[fmt]).float()
+
+
+def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor, kv_format=None) -> None:
+    """Quantize bf16 rows ``[n, d_qk]`` into their slots of a quantized cache, in place: row i goes to token
+    ``slot_mapping[i]`` (``block * page + offset``; -1 skips the row), its bytes those ``quantize_kv_cache`` gives
+    the row.  Slots must be distinct and within the cache (ValueError otherwise)."""
+    fmt = format_of(k_cache, kv_format)
+    _check("k_cache", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
+    d = HEAD_DIM[fmt]
+    if not isinstance(new_rows, torch.Tensor) or new_rows.dim() != 2 or new_rows.shape[1] != d:
+        raise ValueError(f"new_rows must be a tensor [n, {d}] for a {fmt} cache, got "
+                         f"{list(new_rows.shape) if isinstance(new_rows, torch.Tensor) else type(new_rows).__name__}")
+    if new_rows.dtype not in _HALF_IN:
+        raise TypeError(f"new_rows must have dtype bfloat16, float16 or float32, got {new_rows.dtype}")
+    if (not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1
+            or slot_mapping.dtype not in (torch.int32, torch.int64)):
+        raise TypeError("slot_mapping must be an int32 or int64 tensor [n]")
+    if slot_mapping.shape[0] != new_rows.shape[0]:
+        raise ValueError(f"slot_mapping must have shape [{new_rows.shape[0]}] (new_rows' n), got "
+                         f"{list(slot_mapping.shape)}")
+    if new_rows.device != k_cache.device or slot_mapping.device != k_cache.device:
+        raise ValueError("new_rows and slot_mapping must be on k_cache's device")
+    nb, page = k_cache.shape[0], k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots, rows = slot_mapping[keep].long(), new_rows[keep]
+    if slots.numel() == 0:
+        return
+    if int(slots.max()) >= nb * page or slots.unique().numel() != slots.numel():
+        raise ValueError(f"slot_mapping must name distinct slots below num_blocks * page_block_size = {nb * page}")
+    blk, off = slots // page, slots % page
+    if fmt == "V4":
+        one = quantize_kv_cache(rows.reshape(-1, 1, 1, d), kv_format=fmt)  # one-token pages: data row, then scales
+        raw = torch.as_strided(one.view(torch.uint8), (rows.shape[0], 584), (one.stride(0), 1))
+        pages = _pages(k_cache, 584)
+        ar_d = torch.arange(V4_DATA_ROW, device=slots.device)
+        ar_s = torch.arange(V4_SCALE_ROW, device=slots.device)
+        pages[blk.unsqueeze(1), (V4_DATA_ROW * off).unsqueeze(1) + ar_d] = raw[:, :V4_DATA_ROW]
+        at = V4_DATA_ROW * page + V4_SCALE_ROW * off
+        pages[blk.unsqueeze(1), at.unsqueeze(1) + ar_s] = raw[:, V4_DATA_ROW:]
+        return
+    raw = quantize_kv_cache(rows.reshape(-1, 1, 1, d), kv_format=fmt).view(torch.uint8).reshape(rows.shape[0], -1)
+    k_cache.view(torch.uint8)[blk, off, 0] = raw

@@ -195,3 +195,44 @@ def test_cute_backend_names_what_it_cannot_read_yet(monkeypatch):
         mla_cute.flash_mla_with_kvcache(torch.zeros(1, 1, 16, 576).bfloat16(), v32, None, None, 512, meta,
                                         is_fp8_kvcache=True, indices=idx, extra_k_cache=v32,
                                         extra_indices_in_kvcache=idx)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_kv_cache_matches_quantizing_the_whole_cache(fmt):
+    """Rows written into their slots (in shuffled order, some skipped with -1) give the bytes of the cache quantized
+    whole; the slots not written keep their bytes."""
+    nb, page = 3, 16
+    x = _rows(nb, page, fmt, seed=11)
+    want = mla_cute.quantize_kv_cache(x, kv_format=fmt)
+    old = mla_cute.quantize_kv_cache(_rows(nb, page, fmt, seed=12), kv_format=fmt)
+    cache = old.clone() if fmt != "V4" else mla_cute.quantize_kv_cache(_rows(nb, page, fmt, seed=12), kv_format=fmt)
+    slots = torch.randperm(nb * page, generator=torch.Generator().manual_seed(1))[:40]
+    rows = x.reshape(nb * page, -1)[slots]
+    mapping = torch.cat([slots, torch.tensor([-1, -1])])
+    rows = torch.cat([rows, torch.full((2, rows.shape[1]), float("nan")).bfloat16()])
+    kv = "V32_NO_ROPE" if fmt == "V32_NO_ROPE" else None
+    mla_cute.write_kv_cache(cache, rows, mapping.to(torch.int32), kv_format=kv)
+    got = mla_cute.dequantize_kv_cache(cache, kv_format=fmt).reshape(nb * page, -1)
+    ref = mla_cute.dequantize_kv_cache(want, kv_format=fmt).reshape(nb * page, -1)
+    kept = mla_cute.dequantize_kv_cache(old, kv_format=fmt).reshape(nb * page, -1)
+    written = torch.zeros(nb * page, dtype=torch.bool)
+    written[slots] = True
+    assert torch.equal(got[written], ref[written]) and torch.equal(got[~written], kept[~written])
+    if fmt != "V4":  # per-token rows: the written bytes themselves
+        w, c = want.view(torch.uint8).reshape(nb * page, -1), cache.view(torch.uint8).reshape(nb * page, -1)
+        assert torch.equal(c[slots], w[slots])
+
+
+def test_write_kv_cache_rejects():
+    cache = mla_cute.quantize_kv_cache(_rows(2, 16, "V41"), kv_format="V41")
+    rows = torch.zeros(3, 512).bfloat16()
+    with pytest.raises(ValueError, match="new_rows must be a tensor"):
+        mla_cute.write_kv_cache(cache, torch.zeros(3, 576).bfloat16(), torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="slot_mapping must be an int32 or int64"):
+        mla_cute.write_kv_cache(cache, rows, torch.zeros(3))
+    with pytest.raises(ValueError, match="slot_mapping must have shape"):
+        mla_cute.write_kv_cache(cache, rows, torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="distinct slots below"):
+        mla_cute.write_kv_cache(cache, rows, torch.tensor([0, 32, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="distinct slots"):
+        mla_cute.write_kv_cache(cache, rows, torch.tensor([4, 4, 1], dtype=torch.int32))
