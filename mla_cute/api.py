@@ -450,11 +450,9 @@ def flash_mla_sparse_fwd(
     V.check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length)
     sm_scale = V.check_scale("sm_scale", sm_scale)
     kind = select_backend(q.device, backend)
-    fp8_cache = kv.dim() == 4
     if kind == "reference":
-        attend = reference.sparse_prefill_fp8 if fp8_cache else reference.sparse_prefill
-        return attend(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-    if fp8_cache:
+        return reference.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    if kv.dim() == 4:  # the paged FP8 cache
         cute.check_sparse_supported(kv, "kv")
         return cute.sparse_prefill_fp8(q, kv, indices, sm_scale, attn_sink, topk_length)
     return cute.sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length)

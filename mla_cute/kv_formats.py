@@ -24,7 +24,8 @@ import math
 
 import torch
 
-from .fp8 import FP8_BYTES_PER_TOKEN, dequantize_kv_cache as _dequantize_v32, quantize_kv_cache as _quantize_v32
+from .fp8 import FP8_BYTES_PER_TOKEN, _check_cache
+from .fp8 import dequantize_kv_cache as _dequantize_v32, quantize_kv_cache as _quantize_v32
 
 D_V4 = 512
 V4_NOPE, V4_TILE, V4_TILES = 448, 64, 7
@@ -58,15 +59,6 @@ def format_of(k_cache: torch.Tensor, kv_format=None, name: str = "k_cache") -> s
 def v4_page_bytes(page: int) -> int:
     """Bytes of one V4 page: its 584 * page bytes rounded up to a multiple of 576."""
     return 576 * math.ceil(584 * page / 576)
-
-
-def _check(name: str, t, dim_last: int, dtypes: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4 or t.shape[2] != 1 or t.shape[3] != dim_last:
-        raise ValueError(f"{name} must have shape [num_blocks, page_block_size, 1, {dim_last}], got {list(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
 
 
 _HALF_IN = (torch.bfloat16, torch.float16, torch.float32)
@@ -116,7 +108,7 @@ def quantize_kv_cache(k_cache: torch.Tensor, kv_format: str = "V32") -> torch.Te
     fmt = format_of(None, kv_format)
     if fmt == "V32":
         return _quantize_v32(k_cache)
-    _check("k_cache", k_cache, HEAD_DIM[fmt], _HALF_IN)
+    _check_cache("k_cache", k_cache, HEAD_DIM[fmt], _HALF_IN)
     nb, page = k_cache.shape[0], k_cache.shape[1]
     x = k_cache.reshape(nb, page, -1).float()
     if fmt == "V4":
@@ -167,7 +159,7 @@ def dequantize_kv_cache(k_cache_fp8: torch.Tensor, kv_format=None) -> torch.Tens
     fmt = format_of(k_cache, kv_format, "k_cache_fp8")
     if fmt == "V32":
         return _dequantize_v32(k_cache)
-    _check("k_cache_fp8", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
+    _check_cache("k_cache_fp8", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
     nb, page = k_cache.shape[0], k_cache.shape[1]
     if fmt == "V4":
         pages = _pages(k_cache, 584)
@@ -219,7 +211,7 @@ def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: 
     ``slot_mapping[i]`` (``block * page + offset``; -1 skips the row), its bytes those ``quantize_kv_cache`` gives
     the row.  Slots must be distinct and within the cache (ValueError otherwise)."""
     fmt = format_of(k_cache, kv_format)
-    _check("k_cache", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
+    _check_cache("k_cache", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
     d = HEAD_DIM[fmt]
     if not isinstance(new_rows, torch.Tensor) or new_rows.dim() != 2 or new_rows.shape[1] != d:
         raise ValueError(f"new_rows must be a tensor [n, {d}] for a {fmt} cache, got "

@@ -212,3 +212,44 @@ def make_prefill_fp8_case(s_q, s_kv, topk, h_q, *, page=64, all_invalid=False, i
     case["indices"] = torch.where(valid, mapped, high).to(torch.int32)
     case["kv"] = k_cache
     return case
+
+
+# Sparse prefill tolerances (``test_sparse_prefill_gpu``'s docstring says why): out by the cosine rule and within rel
+# 3.01/128 or abs max(8e-4, 2^-7 of the largest output); lse and max_logits within 1e-5 relative or absolute.
+PREFILL_OUT_ABS, PREFILL_OUT_REL, PREFILL_OUT_COS = 8e-4, 3.01 / 128, 1e-5
+PREFILL_STAT_ABS, PREFILL_STAT_REL = 1e-5, 1e-5
+
+
+def check_prefill(case, *, sample=None):
+    """The cute prefill against the reference on ``case`` (outputs poisoned first); ``sample``: compare these query
+    tokens only (a long prompt).  Returns the cute call's (sampled) out, max_logits, lse."""
+    import mla_cute
+
+    poison_allocator()
+    out, max_logits, lse = mla_cute.flash_mla_sparse_fwd(**case, backend="cute")
+    torch.cuda.synchronize()
+    ref_case = dict(case)
+    if sample is not None:
+        ref_case["q"], ref_case["indices"] = case["q"][sample], case["indices"][sample]
+        if "topk_length" in case:
+            ref_case["topk_length"] = case["topk_length"][sample]
+        out, max_logits, lse = out[sample], max_logits[sample], lse[sample]
+    ref_out, ref_max, ref_lse = mla_cute.flash_mla_sparse_fwd(**ref_case, backend="reference")
+    assert out.dtype == torch.bfloat16 and out.shape == ref_out.shape
+    assert max_logits.shape == lse.shape == ref_lse.shape
+    out_abs = max(PREFILL_OUT_ABS, 2**-7 * float(ref_out.float().abs().max()))
+    assert_close_flashmla("out", out, ref_out, out_abs, PREFILL_OUT_REL, PREFILL_OUT_COS)
+    assert_close_flashmla("lse", lse, ref_lse, PREFILL_STAT_ABS, PREFILL_STAT_REL)
+    assert_close_flashmla("max_logits", max_logits, ref_max, PREFILL_STAT_ABS, PREFILL_STAT_REL)
+    return out, max_logits, lse
+
+
+def replayed_in_graph(fn):
+    """``fn()``'s outputs from a CUDA graph captured under ``torch.inference_mode()`` and replayed once."""
+    with torch.inference_mode():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = fn()
+        graph.replay()
+        torch.cuda.synchronize()
+    return got

@@ -14,37 +14,16 @@ import pytest
 import torch
 
 import mla_cute
-from gpu_cases import assert_close_flashmla, make_prefill_fp8_case, poison_allocator
+from gpu_cases import check_prefill, make_prefill_fp8_case, replayed_in_graph
 
 pytestmark = pytest.mark.gpu
-
-OUT_ABS, OUT_REL, OUT_COS = 8e-4, 3.01 / 128, 1e-5
-STAT_ABS, STAT_REL = 1e-5, 1e-5
 
 SHAPES = [(128, 128), (592, 128), (1840, 256), (1592, 384), (1521, 512), (95, 128), (4096, 2048)]
 GRID = [(h, s_kv, topk, s_q) for h in (128, 64, 32, 16) for s_kv, topk in SHAPES for s_q in (1, 62, 213)]
 
 
 def run_and_check(case, *, sample=None):
-    """The cute kernel against the reference on ``case`` (outputs poisoned first); ``sample``: compare these
-    query tokens only."""
-    poison_allocator()
-    out, max_logits, lse = mla_cute.flash_mla_sparse_fwd(**case, backend="cute")
-    torch.cuda.synchronize()
-    ref_case = dict(case)
-    if sample is not None:
-        ref_case["q"], ref_case["indices"] = case["q"][sample], case["indices"][sample]
-        if "topk_length" in case:
-            ref_case["topk_length"] = case["topk_length"][sample]
-        out, max_logits, lse = out[sample], max_logits[sample], lse[sample]
-    ref_out, ref_max, ref_lse = mla_cute.flash_mla_sparse_fwd(**ref_case, backend="reference")
-    assert out.dtype == torch.bfloat16 and out.shape == ref_out.shape
-    assert max_logits.shape == lse.shape == ref_lse.shape
-    out_abs = max(OUT_ABS, 2**-7 * float(ref_out.float().abs().max()))
-    assert_close_flashmla("out", out, ref_out, out_abs, OUT_REL, OUT_COS)
-    assert_close_flashmla("lse", lse, ref_lse, STAT_ABS, STAT_REL)
-    assert_close_flashmla("max_logits", max_logits, ref_max, STAT_ABS, STAT_REL)
-    return out, max_logits, lse
+    return check_prefill(case, sample=sample)
 
 
 @pytest.mark.parametrize("options", [False, True], ids=["plain", "sink+topk_length"])
@@ -93,11 +72,6 @@ def test_uint8_view_non_contiguous_q_and_graph():
     wide[:, ::2] = case["q"]
     case = dict(case, q=wide[:, ::2], kv=case["kv"].view(torch.uint8))
     want = run_and_check(case)
-    with torch.inference_mode():
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = mla_cute.flash_mla_sparse_fwd(**case, backend="cute")
-        graph.replay()
-        torch.cuda.synchronize()
+    got = replayed_in_graph(lambda: mla_cute.flash_mla_sparse_fwd(**case, backend="cute"))
     for a, b in zip(got, want):
         assert torch.equal(a, b)

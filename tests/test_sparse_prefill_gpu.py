@@ -19,12 +19,9 @@ import pytest
 import torch
 
 import mla_cute
-from gpu_cases import assert_close_flashmla, make_prefill_case, poison_allocator
+from gpu_cases import check_prefill, make_prefill_case, replayed_in_graph
 
 pytestmark = pytest.mark.gpu
-
-OUT_ABS, OUT_REL, OUT_COS = 8e-4, 3.01 / 128, 1e-5
-STAT_ABS, STAT_REL = 1e-5, 1e-5
 
 SHAPES = [(128, 128), (256, 256), (512, 512), (592, 128), (1840, 256), (1592, 384), (1521, 512), (95, 128),
           (153, 256), (114, 384)]
@@ -33,24 +30,7 @@ GRID = [(d, h, s_kv, topk, s_q) for d in (576, 512) for h in (128, 64, 32, 16) f
 
 
 def run_and_check(case, *, sample=None):
-    """The cute kernel against the reference on ``case`` (outputs poisoned first); ``sample``: compare these
-    query tokens only (a long prompt)."""
-    poison_allocator()
-    out, max_logits, lse = mla_cute.flash_mla_sparse_fwd(**case, backend="cute")
-    torch.cuda.synchronize()
-    ref_case = dict(case)
-    if sample is not None:
-        ref_case["q"], ref_case["indices"] = case["q"][sample], case["indices"][sample]
-        if "topk_length" in case:
-            ref_case["topk_length"] = case["topk_length"][sample]
-        out, max_logits, lse = out[sample], max_logits[sample], lse[sample]
-    ref_out, ref_max, ref_lse = mla_cute.flash_mla_sparse_fwd(**ref_case, backend="reference")
-    assert out.dtype == torch.bfloat16 and out.shape == ref_out.shape
-    out_abs = max(OUT_ABS, 2**-7 * float(ref_out.float().abs().max()))
-    assert_close_flashmla("out", out, ref_out, out_abs, OUT_REL, OUT_COS)
-    assert_close_flashmla("lse", lse, ref_lse, STAT_ABS, STAT_REL)
-    assert_close_flashmla("max_logits", max_logits, ref_max, STAT_ABS, STAT_REL)
-    return out, max_logits, lse
+    return check_prefill(case, sample=sample)
 
 
 @pytest.mark.parametrize("options", [False, True], ids=["plain", "sink+topk_length"])
@@ -140,10 +120,6 @@ def test_inference_mode_and_cuda_graph():
     case = make_prefill_case(213, 1521, 512, 128, 576, with_sink=True, with_topk_length=True)
     with torch.inference_mode():
         want = mla_cute.flash_mla_sparse_fwd(**case, backend="cute")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = mla_cute.flash_mla_sparse_fwd(**case, backend="cute")
-        graph.replay()
-        torch.cuda.synchronize()
+    got = replayed_in_graph(lambda: mla_cute.flash_mla_sparse_fwd(**case, backend="cute"))
     for a, b in zip(got, want):
         assert torch.equal(a, b)

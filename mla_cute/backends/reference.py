@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ..fp8 import D_LATENT, FP8_BYTES_PER_TOKEN, dequantize_kv_cache
+from ..fp8 import D_LATENT
 from ..kv_formats import format_of, gather_rows
 
 _INF = float("inf")
@@ -132,19 +132,9 @@ def _sparse_attend(
     return out, lse, max_logit
 
 
-def _fp8_rows(k_cache: torch.Tensor, d: int):
-    """The cache's 656-byte rows, one a token (index block * page + offset), and ``rows_of(tokens)``: those
-    rows dequantized to fp32 ``[m, d]`` (only the rows read)."""
-    raw = k_cache.reshape(-1, FP8_BYTES_PER_TOKEN).view(torch.uint8)
-
-    def rows_of(tokens: torch.Tensor) -> torch.Tensor:
-        return dequantize_kv_cache(raw[tokens].reshape(-1, 1, 1, FP8_BYTES_PER_TOKEN)).reshape(-1, d).float()
-
-    return raw, rows_of
-
-
-def _scope(cache, fmt, indices, lengths, s_q):
-    """One cache's index set as ``_sparse_attend`` reads it: (idx [b * s_q, topk], valid, tokens in the cache)."""
+def _scope(cache, indices, lengths, s_q):
+    """One cache's index set as ``_sparse_attend`` reads it: (idx [b * s_q, topk], valid, tokens in the cache), a
+    length a request (of ``s_q`` query tokens)."""
     n = cache.shape[0] * cache.shape[1]
     topk = indices.shape[-1]
     idx = indices.reshape(-1, topk).long()
@@ -176,11 +166,11 @@ def sparse_decode_fp8(
     """
     b, s_q, h_q, d = q.shape
     fmt = kv_format or format_of(k_cache)
-    idx, valid, n_main = _scope(k_cache, fmt, indices, topk_length, s_q)
+    idx, valid, n_main = _scope(k_cache, indices, topk_length, s_q)
     caches = [(k_cache, fmt, 0)]
     if extra is not None:
         extra_cache, extra_fmt, extra_indices, extra_lengths = extra
-        e_idx, e_valid, _ = _scope(extra_cache, extra_fmt, extra_indices, extra_lengths, s_q)
+        e_idx, e_valid, _ = _scope(extra_cache, extra_indices, extra_lengths, s_q)
         idx, valid = torch.cat([idx, e_idx + n_main], 1), torch.cat([valid, e_valid], 1)
         caches.append((extra_cache, extra_fmt, n_main))
 
@@ -206,39 +196,16 @@ def sparse_prefill(
     attn_sink: Optional[torch.Tensor] = None,
     topk_length: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sparse prefill: q [s_q, h_q, 576], kv [s_kv, 1, 576], indices [s_q, 1, topk]
-    (valid when 0 <= index < s_kv).  Returns out [s_q, h_q, d_v] (q dtype), max_logits and
-    lse [s_q, h_q] float32 (natural log; -inf / +inf when nothing is valid)."""
+    """Sparse prefill: q [s_q, h_q, d_qk]; kv [s_kv, 1, d_qk] (valid indices: 0 <= index < s_kv), or the paged
+    FP8 cache [num_blocks, page, 1, 656] with d_qk 576 (index block * page + offset, valid below num_blocks *
+    page; the prefill over the dequantized rows); indices [s_q, 1, topk].  Returns out [s_q, h_q, d_v] (q dtype),
+    max_logits and lse [s_q, h_q] float32 (natural log; -inf / +inf when nothing is valid)."""
     s_q, h_q, d = q.shape
-    s_kv = kv.shape[0]
-    topk = indices.shape[-1]
-    idx = indices.reshape(s_q, topk).long()
-    valid = (idx >= 0) & (idx < s_kv)
-    if topk_length is not None:
-        valid &= torch.arange(topk, device=q.device).unsqueeze(0) < topk_length.long().unsqueeze(1)
-    rows = kv.reshape(s_kv, d)
-    out, lse, max_logit = _sparse_attend(q, lambda tokens: rows[tokens].float(), idx, valid, sm_scale, d_v, attn_sink)
-    return out, max_logit, lse
-
-
-def sparse_prefill_fp8(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int = D_LATENT,
-    attn_sink: Optional[torch.Tensor] = None,
-    topk_length: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sparse prefill over the paged FP8 cache: q [s_q, h_q, 576], k_cache [num_blocks, page, 1, 656],
-    indices [s_q, 1, topk] (block * page + offset; valid when 0 <= index < num_blocks * page): the prefill
-    of :func:`sparse_prefill` over the dequantized cache.  Returns out, max_logits, lse as it does."""
-    s_q, h_q, d = q.shape
-    raw, rows_of = _fp8_rows(k_cache, d)
-    topk = indices.shape[-1]
-    idx = indices.reshape(s_q, topk).long()
-    valid = (idx >= 0) & (idx < raw.shape[0])
-    if topk_length is not None:
-        valid &= torch.arange(topk, device=q.device).unsqueeze(0) < topk_length.long().unsqueeze(1)
+    idx, valid, n = _scope(kv, indices, topk_length, 1)  # kv [s_kv, 1, d]: s_kv tokens
+    if kv.dim() == 4:
+        rows_of = lambda tokens: gather_rows(kv, tokens, "V32")  # noqa: E731
+    else:
+        rows = kv.reshape(n, d)
+        rows_of = lambda tokens: rows[tokens].float()  # noqa: E731
     out, lse, max_logit = _sparse_attend(q, rows_of, idx, valid, sm_scale, d_v, attn_sink)
     return out, max_logit, lse
