@@ -225,7 +225,7 @@ def flash_mla_with_kvcache(
         block_table and cache_seqlens may be None.
     Common:
         head_dim_v: must be 512.  tile_scheduler_metadata: from :func:`get_mla_metadata`.
-        num_splits: must be None.  softmax_scale: default ``576 ** -0.5``; a finite float > 0
+        num_splits: must be None.  softmax_scale: default q's head_dim ``** -0.5``; a finite float > 0
             (an int, a numpy number or a 0-dim tensor is read with ``float()``; a bool is refused).
         causal: a bool (a numpy bool too; an int such as 1 is refused).
         kv_format (keyword): the sparse cache's format (``mla_cute.kv_formats``): "V32" (656 bytes, d_qk 576),

@@ -51,8 +51,9 @@ def format_of(k_cache: torch.Tensor, kv_format=None, name: str = "k_cache") -> s
     by_bytes = {656: "V32", 584: "V4", 528: "V41", 288: "V41_FP4"}
     last = k_cache.shape[-1] if k_cache.dim() else None
     if last not in by_bytes:
-        raise ValueError(f"{name}'s last dimension ({last}) names no format: 656 (V32), 584 (V4), 528 (V41, or "
-                         "V32_NO_ROPE with kv_format='V32_NO_ROPE') or 288 (V41_FP4)")
+        raise ValueError(f"{name} must have shape [num_blocks, page_block_size, 1, bytes per token]: its last "
+                         f"dimension ({last}) names no format: 656 (V32), 584 (V4), 528 (V41, or V32_NO_ROPE with "
+                         "kv_format='V32_NO_ROPE') or 288 (V41_FP4)")
     return by_bytes[last]
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .fp8 import D_LATENT, D_QK, FP8_BYTES_PER_TOKEN
-from .kv_formats import BYTES_PER_TOKEN, HEAD_DIM
+from .kv_formats import BYTES_PER_TOKEN, HEAD_DIM, format_of
 
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8, torch.int8)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -227,12 +227,10 @@ def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v,
 def _check_quantized_cache(name: str, cache, kv_format) -> str:
     """A quantized cache ``[num_blocks, page_block_size, 1, bytes per token]``; returns its format."""
     check_tensor(name, cache, dim=4, dtypes=FP8_CACHE_DTYPES)
-    if kv_format is not None and kv_format not in BYTES_PER_TOKEN:
-        raise ValueError(f"kv_format must be one of {sorted(BYTES_PER_TOKEN)}, got {kv_format!r}")
-    fmt = kv_format or {656: "V32", 584: "V4", 528: "V41", 288: "V41_FP4"}.get(cache.shape[3])
-    if cache.shape[2] != 1 or fmt is None or cache.shape[3] != BYTES_PER_TOKEN[fmt]:
-        want = BYTES_PER_TOKEN[fmt] if fmt else "656 (V32), 584 (V4), 528 (V41, V32_NO_ROPE) or 288 (V41_FP4)"
-        raise ValueError(f"{name} must have shape [num_blocks, page_block_size, 1, {want}], got {list(cache.shape)}")
+    fmt = format_of(cache, kv_format, name)
+    if cache.shape[2] != 1 or cache.shape[3] != BYTES_PER_TOKEN[fmt]:
+        raise ValueError(f"{name} must have shape [num_blocks, page_block_size, 1, {BYTES_PER_TOKEN[fmt]}], "
+                         f"got {list(cache.shape)}")
     if cache.shape[0] < 1 or cache.shape[1] < 1:
         raise ValueError(f"{name} must have num_blocks >= 1 and page_block_size >= 1, got shape {list(cache.shape)}")
     return fmt

@@ -355,7 +355,7 @@ _WHOLE_PLANS: dict = {}
 
 def _whole_plan(s_q: int, parts: int, device):
     """``whole_token_plan``'s records and split counts on ``device`` (a shape fact: made once a shape; a few
-    are kept), and the unused partials the kernel's signature takes."""
+    are kept)."""
     key = (s_q, parts, device)
     plan = _WHOLE_PLANS.get(key)
     if plan is None:
@@ -364,6 +364,19 @@ def _whole_plan(s_q: int, parts: int, device):
         records, splits = whole_token_plan(s_q, parts)
         plan = _WHOLE_PLANS[key] = (records.to(device), splits.to(device))
     return plan
+
+
+_UNUSED_PARTIALS: dict = {}
+
+
+def _unused_partials(h_q: int, device):
+    """The O and lse partials the kernel's signature takes (one request's worth, never written: no split), made
+    once per (h_q, device)."""
+    key = (h_q, device)
+    if key not in _UNUSED_PARTIALS:
+        _UNUSED_PARTIALS[key] = (torch.empty(1, 1, h_q, 512, dtype=torch.float32, device=device),
+                                 torch.empty(1, 1, h_q, dtype=torch.float32, device=device))
+    return _UNUSED_PARTIALS[key]
 
 
 def sparse_prefill_fp8(q, k_cache, indices, sm_scale, attn_sink, topk_length):
@@ -381,9 +394,7 @@ def sparse_prefill_fp8(q, k_cache, indices, sm_scale, attn_sink, topk_length):
     out = torch.empty(s_q, h_q, 512, dtype=q.dtype, device=q.device)
     max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(max_logits)
-    # No split: the partials are never written; the signature takes one request's worth.
-    o_accum = torch.empty(1, 1, h_q, 512, dtype=torch.float32, device=q.device)
-    lse_accum = torch.empty(1, 1, h_q, dtype=torch.float32, device=q.device)
+    o_accum, lse_accum = _unused_partials(h_q, q.device)
     rows = q.unsqueeze(1)  # [s_q, 1, h_q, 576]: a token is a request of one position
     kernel(
         rows if _aligned(rows) else _packed_copy(rows),
