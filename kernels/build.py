@@ -144,16 +144,17 @@ def compile_scheduler(config: SchedulerConfig, options: str = ""):
 
 
 def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length: bool, partials_16bit: bool = False,
-                            max_logits: bool = False):
+                            max_logits: bool = False, kv_format: str = "V32"):
     """Fake tensors matching ``SparseDecodeFp8Kernel.__call__`` (and the sparse step's); without ``max_logits``
     None in its place."""
-    from .sparse_decode_fp8 import ROW_BYTES
+    from .cache_rows import cache_rows
 
+    rows = cache_rows(kv_format)
     b, nb, page, topk = _sym(), _sym(), _sym(), _sym()
     bf16 = cutlass.BFloat16
-    q = make_fake_tensor(bf16, (b, s_q, h_q, D_QK), (_s64(), _s64(), _s64(), 1), assumed_align=16)
-    # The 656-byte rows as int32 words: 16-byte loads need 16-byte aligned rows.
-    cache = make_fake_tensor(cutlass.Int32, (nb, page, ROW_BYTES // 4), (_sym(4, 64), ROW_BYTES // 4, 1),
+    q = make_fake_tensor(bf16, (b, s_q, h_q, rows.d_qk), (_s64(), _s64(), _s64(), 1), assumed_align=16)
+    # The rows (V4: the data rows) as int32 words: 16-byte loads need 16-byte aligned rows and blocks.
+    cache = make_fake_tensor(cutlass.Int32, (nb, page, rows.row_words), (_sym(4, 64), rows.row_words, 1),
                              assumed_align=16)
     indices = make_fake_tensor(cutlass.Int32, (b, s_q, topk), (_sym(1, 64), _sym(1, 64), 1), assumed_align=4)
     topk_len = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4) if has_topk_length else None
@@ -184,7 +185,7 @@ def compile_sparse(step: SparseStepConfig, options: str = ""):
 
             kernel = SparseDecodeStep(kernel, CombineKernel(step.combine))
         args = sparse_decode_signature(split.s_q, split.h_q, split.has_sink, split.has_topk_length,
-                                       split.partials_16bit, split.max_logits)
+                                       split.partials_16bit, split.max_logits, split.kv_format)
         return cute.compile(kernel, *args, options=compile_options(options))
 
     return cached_compile(("sparse_decode_fp8", step, options), build, describe=f"sparse decode {step}",

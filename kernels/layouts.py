@@ -34,12 +34,12 @@ def lse_rows(mLse: cute.Tensor, h_kv: int, group: int, s_q: int) -> cute.Tensor:
     return cute.make_tensor(mLse.iterator, layout)
 
 
-def make_smem_layouts(dtype, kv_stages: int):
-    """Swizzled layouts (sQ, sK, sV, sP): sQ 64 x 576; sK kv_stages x (64 tokens x 576), K-major;
+def make_smem_layouts(dtype, kv_stages: int, d_qk: int = D_QK):
+    """Swizzled layouts (sQ, sK, sV, sP): sQ 64 x d_qk; sK kv_stages x (64 tokens x 576), K-major;
     sV the MN-major view of the same bytes (576 features x 64 tokens, only 512 used); sP 64 x 64."""
     k_major = LayoutEnum.ROW_MAJOR  # K-major operand (A or B)
     mn_major = LayoutEnum.COL_MAJOR
-    sQ = cute.slice_(sm90_utils.make_smem_layout_a(k_major, (BLOCK_M, BLOCK_N, D_QK), dtype, 1), (None, None, 0))
+    sQ = cute.slice_(sm90_utils.make_smem_layout_a(k_major, (BLOCK_M, BLOCK_N, d_qk), dtype, 1), (None, None, 0))
     sK = sm90_utils.make_smem_layout_b(k_major, (BLOCK_M, BLOCK_N, D_QK), dtype, kv_stages)
     sV = sm90_utils.make_smem_layout_b(mn_major, (BLOCK_M, D_QK, BLOCK_N), dtype, kv_stages)
     sP = cute.slice_(sm90_utils.make_smem_layout_a(k_major, (BLOCK_M, HALF_V, BLOCK_N), dtype, 1), (None, None, 0))

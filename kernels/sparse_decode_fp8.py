@@ -23,7 +23,7 @@ Warpgroup roles (384 threads):
            and O_L, and hands P to WG2, which computes O_R.  WG2's first warp also loads Q: the first
            request's at the start, each next one's once Q's bytes are free (after the staged output rows
            were copied out).
-  Registers (setmaxnreg, within 168 x 384): 144 / 200 / 160.
+  Registers (setmaxnreg, within 168 x 384): 144 / 200 / 160; the d_qk-512 formats 152 / 192 / 160.
 
 Shared-memory plan (bytes; "op" is the operand type, fp16, and the RoPE columns are bf16):
   sQ     64 x 576 op                      73 728  (the TMA writes bf16; Q's readers convert it in place,
@@ -74,29 +74,21 @@ from .serial_consumer import RopeQK, make_consumer_mmas
 from .work import OutputTile, SplitOutputs, WorkSlice, advance_lengths, lengths_ahead, load_splits
 from .layouts import lse_rows, out_rows
 from .barriers import SparseBarrier
+from .cache_rows import LATENT_PIECES, PIECE, ROPE_SLOT, SLOTS, WORDS, cache_rows
 from .leader_follower import LeaderFollowerConsumer
 from .seesaw import make_seesaw_mmas
 
 SUB_COLS = 64  # features per swizzle-atom column block of a K tile
-ROW_BYTES = 656  # 512 fp8 + 4 fp32 scales + 64 bf16
-SCALE_OFFSET = D_V  # byte offset of the scales in a row
-ROPE_OFFSET = D_V + 16  # byte offset of the RoPE values
-PIECE = 16  # bytes per load
-WORDS = PIECE // 4  # int32 words per load
 LANES_PER_ROW = 8  # threads sharing one row: 8 x 16 B = one 128-byte segment per load
 ROWS_PER_ROUND = 128 // LANES_PER_ROW  # 16 rows per pass of the producer warpgroup
 ROUNDS = BLOCK_N // ROWS_PER_ROUND  # 4 rows per thread per tile (2 with the crossover, 4 with producer halves)
-LATENT_PIECES = D_V // (PIECE * LANES_PER_ROW)  # 4 latent pieces per thread per row (one per scale tile)
-# Crossover: bytes the peer CTA stores into this CTA's stage per tile (its 32 rows of 16-bit K, and their bias).
-PEER_TX_BYTES = (BLOCK_N // 2) * (D_QK * 2 + 4)
 STAGE_ELEMS = BLOCK_N * D_QK  # one K stage
 LATENT_STEP = 2 * BLOCK_N * SUB_COLS  # from a thread's latent piece to its next: 128 columns, two column blocks
 # Q enters the fp16 MMAs times 2^-4 (the softmax scale times 2^4 undoes it): every bf16 value of magnitude
 # from 2^-13 to below 2^20 converts exactly (smaller ones are rounded to multiples of 2^-20).  2^-8 would
 # reach 2^24 but round values below 2^-9, which measurably moved the outputs of small q against large K.
 Q_PRESCALE = 2.0**-4
-Q_CHUNKS = BLOCK_M * D_QK * 2 // PIECE  # Q's bytes in 16-byte chunks
-Q_ROPE_CHUNK = BLOCK_M * D_V * 2 // PIECE  # the first chunk of Q's RoPE block (64-column blocks are contiguous)
+Q_LATENT_CHUNKS = BLOCK_M * D_V * 2 // PIECE  # Q's first 512 columns in 16-byte chunks (column blocks are contiguous)
 
 
 class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
@@ -109,6 +101,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     # (producer, leader, follower), each a multiple of 8: the leader holds half of O, S of 64 tokens and
     # P; the follower only half of O, so the producer gets more.
     LEADER_FOLLOWER_REGS = (144, 200, 160)
+    LEADER_FOLLOWER_REGS_512 = (152, 192, 160)
 
     def __init__(self, config: SparseSplitConfig):
         self.dtype = cutlass.BFloat16  # q, the cache's RoPE values and the output
@@ -118,6 +111,12 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         self.h_q = config.h_q
         self.s_q = config.s_q
         self.has_sink = config.has_sink
+        # The cache format's token bytes and their dequantization (``cache_rows.py``); q's head dimension.
+        self.rows = cache_rows(config.kv_format)
+        self.d_qk = self.rows.d_qk
+        self.q_chunks = BLOCK_M * self.d_qk * 2 // PIECE  # Q's bytes in 16-byte chunks
+        # Crossover: bytes the peer CTA stores into this CTA's stage a tile (its 32 rows of 16-bit K, their bias).
+        self.peer_tx_bytes = (BLOCK_N // 2) * (self.rows.tile_cols * 2 + 4)
         # The leader keeps each row's exact max for max_logits (prefill from the FP8 cache: whole requests).
         self.max_logits = config.max_logits
         self.head_tiles = config.head_tiles
@@ -135,7 +134,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # tile), 4 again with producer halves (half the threads a tile).
         self.rounds = ROUNDS // 2 if self.crossover and not self.halves else ROUNDS
         # Rows a producer thread loads before converting them: all of its rows of a tile (144 registers).
-        self.rows_in_flight = self.rounds
+        # V41's whole-tile gather converts two at a time (its per-lane ue8m0 scales spill at four).
+        self.rows_in_flight = self.rounds if self.crossover else self.rows.whole_tile_rows_in_flight
         self.stream_threads = 64 if self.halves else 128  # producer threads that gather one tile
         self.stream_warps = self.stream_threads // 32
         self.warp_rows = self.rounds * 32 // LANES_PER_ROW  # consecutive rows a producer warp hands over
@@ -143,7 +143,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # crossover's rows; the whole-tile gather's kernel spills with the copies (2% slower).
         self.qk_stage_copies = self.crossover and self.kv_stages == 2
         self.row_step = 4 if self.peer_bulk else ROWS_PER_ROUND  # between a thread's rows of a tile
-        self.regs = self.LEADER_FOLLOWER_REGS
+        # The d_qk-512 formats' producers take 8 more registers (their whole-tile gathers spill at 144), from
+        # the leader, whose S has no RoPE k-blocks.
+        self.regs = self.LEADER_FOLLOWER_REGS if self.rows.rope_bf16 else self.LEADER_FOLLOWER_REGS_512
         assert 128 * sum(self.regs) <= self.launch_regs * self.num_threads
         # SplitKVConsumer facts: one query token per M tile, no causal mask.
         self.causal = False
@@ -153,8 +155,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # [b, s_q, h_q, 576] bf16
-        mCache: cute.Tensor,  # [num_blocks, page, 164] int32 (656-byte rows)
+        mQ: cute.Tensor,  # [b, s_q, h_q, d_qk] bf16
+        mCache: cute.Tensor,  # [num_blocks, page, row_bytes / 4] int32 (V4: the data rows; the scales follow)
         mIndices: cute.Tensor,  # [b, s_q, topk] int32
         mTopkLen: cute.Tensor,  # [b] int32, or None: every request attends to topk tokens
         mSched: cute.Tensor,  # [num_parts, 8] int32
@@ -170,12 +172,16 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     ):
         if cutlass.const_expr((mMaxLogits is not None) != self.max_logits):
             raise ValueError(f"max_logits: the kernel is built with max_logits={self.max_logits}")
-        # (h_q, 576, s_q, b): feature-contiguous, as TMA wants; heads past h_q read as zeros.
+        # (h_q, d_qk, s_q, b): feature-contiguous, as TMA wants; heads past h_q read as zeros.
         q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 3, 1, 0]))
         mma_qk_first, tiled_mma_qk, tiled_mma_pv = make_consumer_mmas(self.operand_dtype)
-        sQ_layout, sK_layout, sV_layout, sP_layout = make_smem_layouts(self.operand_dtype, self.kv_stages)
+        # The K stages are 576 columns wide in every format (d_qk 512 leaves the last block unused); sQ is
+        # d_qk wide, in storage for 576 (the staged output rows pass through it).
+        sQ_layout, sK_layout, sV_layout, sP_layout = make_smem_layouts(self.operand_dtype, self.kv_stages,
+                                                                       self.d_qk)
+        q_storage = make_smem_layouts(self.operand_dtype, self.kv_stages)[0]
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), q, sQ_layout, (BLOCK_M, D_QK)
+            cpasync.CopyBulkTensorTileG2SOp(), q, sQ_layout, (BLOCK_M, self.d_qk)
         )
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
 
@@ -186,7 +192,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             row_max: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             row_sum: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             bias: cute.struct.MemRange[cutlass.Float32, self.kv_stages * BLOCK_N]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sQ_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(q_storage)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sK_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(sP_layout)], 1024]
 
@@ -200,7 +206,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         self.kernel(
             mma_qk_first, tiled_mma_qk, tiled_mma_pv,
             tma_atom_q, tma_q,
-            mCache, mIndices, mTopkLen, mSched,
+            mCache, self.rows.scale_view(mCache), mIndices, mTopkLen, mSched,
             SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum, mSink, mMaxLogits),
             scale_log2,
             sQ_layout, sK_layout, sV_layout, sP_layout,
@@ -223,6 +229,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         tma_atom_q: cute.CopyAtom,
         tma_q: cute.Tensor,
         mCache: cute.Tensor,
+        mScales: cute.Tensor,  # V4's scale rows, else None
         mIndices: cute.Tensor,
         mTopkLen: cute.Tensor,
         mSched: cute.Tensor,
@@ -277,9 +284,11 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                                  sK_layout.outer)
         scale_log2 = scale_log2 * (1.0 / Q_PRESCALE)
         q_words = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=cutlass.Int32),
-                                   cute.make_layout((Q_CHUNKS * WORDS,)))
-        # S's RoPE k-blocks (bf16) beside fp16 operands: made outside the role branches, like the MMAs below.
-        rope = RopeQK(make_seesaw_mmas(self.dtype).qk, sQ_in, sK_in)
+                                   cute.make_layout((self.q_chunks * WORDS,)))
+        # S's RoPE k-blocks (bf16) beside fp16 operands (V32): made outside the role branches, like the MMAs below.
+        rope = None
+        if cutlass.const_expr(self.rows.rope_bf16):
+            rope = RopeQK(make_seesaw_mmas(self.dtype).qk, sQ_in, sK_in)
         # Made once, outside the role branches: both consumers' views use them.  Each role gets
         # its own record of the outputs: a branch may rebind the fields of what it is passed.
         lf_mmas = make_seesaw_mmas(self.operand_dtype)
@@ -302,7 +311,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             stores = StageStores(sK_layout, storage.sK.data_ptr(), storage.bias.data_ptr(), rank)
             self.produce(
                 q_load, sBias, q_pipe, kv_pipe,
-                mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, stores,
+                mCache, mScales, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, stores,
             )
         else:
             sScale, sSum = row_exchange(storage)  # sScale: the leader's factor and max per row
@@ -331,7 +340,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     @cute.jit
     def produce(
         self, q_load, sBias, q_pipe, kv_pipe,
-        mCache, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, stores,
+        mCache, mScales, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, stores,
     ):
         page = mCache.shape[1]
         num_rows = mCache.shape[0] * page
@@ -350,10 +359,10 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             row0 = stores.rank * (BLOCK_N // 2) + (stream // 32) * self.warp_rows + (stream % 32) // LANES_PER_ROW
         else:
             row0 = stores.rank * (BLOCK_N // 2) + tidx // LANES_PER_ROW
-        src = RowSource(mCache, mIndices, mTopkLen, topk, s_idx, row0, lane, page, num_rows, work)
+        src = RowSource(mCache, mScales, mIndices, mTopkLen, topk, s_idx, row0, lane, page, num_rows, work)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         gather = RowGather(
-            raw=cute.make_rmem_tensor((WORDS, LATENT_PIECES + 2, self.rows_in_flight), cutlass.Int32),
+            raw=cute.make_rmem_tensor((WORDS, SLOTS, self.rows_in_flight), cutlass.Int32),
             valid=cute.make_rmem_tensor((self.rows_in_flight,), cutlass.Int32),
         )
         # The indices of the next tile are loaded while this tile's rows are gathered, so a tile
@@ -431,12 +440,17 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                         tok = row0 + self.row_step * (g * self.rows_in_flight + k)
                         self.store_latent(gather, k, m, tok, kv_state.index, lane, stores,
                                           kv_pipe.producer_get_barrier(kv_state))
+                        if cutlass.const_expr(m == LATENT_PIECES - 1 and not self.rows.rope_bf16):
+                            # V4's RoPE columns are the last block's: stored before it goes over.
+                            self.store_rope(gather, k, sBias, tok, kv_state.index, lane, stores,
+                                            kv_pipe.producer_get_barrier(kv_state))
                     self.hand_over(stores, kv_state.index, kv_pipe.producer_get_barrier(kv_state),
                                    warp_idx % self.stream_warps, stream % 32, 2 * m)
-                for k in cutlass.range_constexpr(self.rows_in_flight):
-                    tok = row0 + self.row_step * (g * self.rows_in_flight + k)
-                    self.store_rope(gather, k, sBias, tok, kv_state.index, lane, stores,
-                                    kv_pipe.producer_get_barrier(kv_state))
+                if cutlass.const_expr(self.rows.rope_bf16):
+                    for k in cutlass.range_constexpr(self.rows_in_flight):
+                        tok = row0 + self.row_step * (g * self.rows_in_flight + k)
+                        self.store_rope(gather, k, sBias, tok, kv_state.index, lane, stores,
+                                        kv_pipe.producer_get_barrier(kv_state))
             else:
                 # Row by row: the whole-tile gather (no crossover), piece after piece of each row.
                 for k in cutlass.range_constexpr(self.rows_in_flight):
@@ -447,16 +461,17 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                     self.store_rope(gather, k, sBias, tok, kv_state.index, lane, stores,
                                     kv_pipe.producer_get_barrier(kv_state))
         if cutlass.const_expr(self.peer_bulk):
-            # The RoPE block and the bias.
+            # The RoPE block (V32) and the bias.
             self.hand_over(stores, kv_state.index, kv_pipe.producer_get_barrier(kv_state),
-                           warp_idx % self.stream_warps, stream % 32, 2 * LATENT_PIECES)
+                           warp_idx % self.stream_warps, stream % 32, 2 * LATENT_PIECES,
+                           0 if self.rows.rope_bf16 else 1)
         else:
             # The consumers read the tile with WGMMA (async proxy).
             cute.arch.fence_view_async_shared()
         if cutlass.const_expr(self.crossover):
             # One of the arrivals also expects the peer's bytes (its stores or copies complete them).
             if stream == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(kv_pipe.producer_get_barrier(kv_state), PEER_TX_BYTES)
+                cute.arch.mbarrier_arrive_and_expect_tx(kv_pipe.producer_get_barrier(kv_state), self.peer_tx_bytes)
             else:
                 kv_pipe.producer_commit(kv_state)
         else:
@@ -482,39 +497,33 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             idx = idx_regs[r]
             if (idx >= 0) & (idx < src.num_rows):
                 blk_id = idx // src.page
-                row = src.mCache[blk_id, idx - blk_id * src.page, None]  # 164 int32 words
-                word = cutlass.min(src.lane * (128 // 4), ROW_BYTES // 4 - 1)
+                row = src.mCache[blk_id, idx - blk_id * src.page, None]
+                word = cutlass.min(src.lane * (128 // 4), self.rows.row_words - 1)
                 cute.arch.prefetch((row.iterator + word).llvm_ptr, cache_level="L2")
 
     @cute.jit
     def load_row(self, gather, k, src, idx, ok):
-        """Start the six 16-byte loads of this thread's share of cache row ``idx`` (nothing for an invalid
-        token: ``ok`` false)."""
+        """Start the 16-byte loads of this thread's share of cache token ``idx`` (V32: six; ``cache_rows.py``);
+        nothing for an invalid token (``ok`` false)."""
         raw = gather.raw
-        lane = src.lane
         gather.valid[k] = 0
-        for j in cutlass.range_constexpr(LATENT_PIECES + 2):
+        for j in cutlass.range_constexpr(SLOTS):
             for w in cutlass.range_constexpr(WORDS):
                 raw[w, j, k] = 0
         if ok:
             gather.valid[k] = 1
             blk_id = idx // src.page
-            row = src.mCache[blk_id, idx - blk_id * src.page, None]  # 164 int32 words
-            for m in cutlass.range_constexpr(LATENT_PIECES):
-                cute.autovec_copy(cute.local_tile(row, (WORDS,), ((m * LANES_PER_ROW + lane),)), raw[None, m, k])
-            cute.autovec_copy(cute.local_tile(row, (WORDS,), (SCALE_OFFSET // PIECE,)), raw[None, LATENT_PIECES, k])
-            cute.autovec_copy(
-                cute.local_tile(row, (WORDS,), (ROPE_OFFSET // PIECE + lane,)), raw[None, LATENT_PIECES + 1, k]
-            )
+            self.rows.load(raw, k, src, blk_id, idx - blk_id * src.page)
 
     @cute.jit
-    def hand_over(self, stores, stage, full_bar, warp, lane_w, first):
+    def hand_over(self, stores, stage, full_bar, warp, lane_w, first, skip: cutlass.Constexpr = 0):
         """Bulk hand-over of the warp's stored rows: column blocks ``first`` and ``first + 1`` (or, for the
-        RoPE block, the block and the rows' bias), one copy per lane.  The stores are generic-proxy
-        writes that the copies and WGMMA read through the async proxy: fence, then the warp's sync."""
+        RoPE block, the block and the rows' bias), one copy per lane; ``skip``: 1 leaves the first out (no
+        RoPE block).  The stores are generic-proxy writes that the copies and WGMMA read through the async
+        proxy: fence, then the warp's sync."""
         cute.arch.fence_view_async_shared()
         cute.arch.sync_warp()
-        if lane_w < 2:
+        if (lane_w >= skip) & (lane_w < 2):
             stores.copy_warp_block(stage, full_bar, warp, self.warp_rows, first + lane_w)
 
     @cute.jit
@@ -523,8 +532,16 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         token).  The scale is rounded to the operand type
         and multiplied in it (bf16: as FlashMLA does): exact for the quantizer's power-of-two scales (in fp16
         within the range the module docstring states), and one multiply per two values."""
+        if cutlass.const_expr(self.rows.piece_lanes(m) == LANES_PER_ROW):
+            self.store_piece(gather, k, m, tok, stage, lane, stores)
+        else:
+            if lane < self.rows.piece_lanes(m):
+                self.store_piece(gather, k, m, tok, stage, lane, stores)
+
+    @cute.jit
+    def store_piece(self, gather, k, m, tok, stage, lane, stores):
         raw = gather.raw
-        scale = cute.recast_tensor(raw[None, LATENT_PIECES, k], cutlass.Float32)[m]
+        scale = self.rows.scale(raw, k, m, lane)
         fp8 = cute.recast_tensor(raw[None, m, k], cutlass.Float8E4M3FN)
         piece = cute.make_rmem_tensor((PIECE,), self.operand_dtype)
         piece.store(fp8.load().to(self.operand_dtype) * scale.to(self.operand_dtype))
@@ -536,11 +553,18 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
 
     @cute.jit
     def store_rope(self, gather, k, sBias, tok, stage, lane, stores, full_bar):
-        """This thread's RoPE piece of a row (bf16 as the cache holds it, whatever the latent's operand type), and
+        """This thread's RoPE piece of a row, where the format has one (bf16 as the cache holds it beside the
+        latent's operand type for V32's S-only RoPE block; V4's, which V reads, in the operand type), and
         (lane 0) the row's bias: 0, or -inf for an invalid token."""
-        rope = gather.raw[None, LATENT_PIECES + 1, k]
-        off = stores.offset(tok, D_V + (PIECE // 2) * lane)
-        stores.store_local(off, stage, rope, 0)
+        if cutlass.const_expr(self.rows.rope_col is not None):
+            rope = gather.raw[None, ROPE_SLOT, k]
+            off = stores.offset(tok, self.rows.rope_col + (PIECE // 2) * lane)
+            if cutlass.const_expr(self.rows.rope_bf16):
+                stores.store_local(off, stage, rope, 0)
+            else:
+                vals = cute.make_rmem_tensor((PIECE // 2,), self.operand_dtype)
+                vals.store(cute.recast_tensor(rope, cutlass.BFloat16).load().to(self.operand_dtype))
+                stores.store_local(off, stage, cute.recast_tensor(vals, cutlass.Int32), 0)
         if lane == 0:
             bias = -cutlass.Float32.inf
             if gather.valid[k] != 0:
@@ -567,7 +591,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             self.start_rows(v, rows)
             cute.arch.mbarrier_wait(q_full, q_phase[0])
             q_phase[0] = q_phase[0] ^ 1
-            q_conv.run(v.tid)
+            q_conv.run(v.tid, self.q_chunks)
             for blk in cutlass.range(first, last, unroll=1):
                 self.wait_stage(kv_pipe, kv_state)
                 self.leader_qk(v, kv_state.index)
@@ -696,14 +720,17 @@ class QConversion:
     done: Any  # named barrier over the converting threads (its thread count splits the chunks)
 
     @cute.jit
-    def run(self, tid):
-        """``tid``: the thread's index among ``done``'s threads."""
+    def run(self, tid, chunks: cutlass.Constexpr):
+        """``tid``: the thread's index among ``done``'s threads; ``chunks``: Q's 16-byte chunks (d_qk 576: the
+        last 64 columns' are the bf16 RoPE block)."""
         threads = self.done.num_threads
-        # The latent block into fp16; the RoPE block stays bf16 (S's RoPE k-blocks are bf16 MMAs), scaled alike.
-        for i in cutlass.range(Q_ROPE_CHUNK // threads, unroll=4):
+        # The first 512 columns into fp16; V32's RoPE block stays bf16 (S's RoPE k-blocks are bf16 MMAs), scaled
+        # alike.
+        for i in cutlass.range(Q_LATENT_CHUNKS // threads, unroll=4):
             self.convert(tid + threads * i, cutlass.Float16)
-        for i in cutlass.range((Q_CHUNKS - Q_ROPE_CHUNK) // threads, unroll=4):
-            self.convert(Q_ROPE_CHUNK + tid + threads * i, cutlass.BFloat16)
+        if cutlass.const_expr(chunks > Q_LATENT_CHUNKS):
+            for i in cutlass.range((chunks - Q_LATENT_CHUNKS) // threads, unroll=4):
+                self.convert(Q_LATENT_CHUNKS + tid + threads * i, cutlass.BFloat16)
         cute.arch.fence_view_async_shared()  # the WGMMAs read Q through the async proxy
         self.done.arrive_and_wait()
 
@@ -731,7 +758,7 @@ class QLoad:
 
     @staticmethod
     def make(tma_atom_q, tma_q, sQ, q_pipe, head_tile, s_idx) -> "QLoad":
-        gQ = cute.flat_divide(tma_q, (BLOCK_M, D_QK))
+        gQ = cute.flat_divide(tma_q, (BLOCK_M, cute.size(sQ, mode=[1])))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
@@ -763,7 +790,8 @@ class RowSource:
     """Where a producer thread's rows come from: the cache, the indices of token ``s_idx`` of the part's
     requests (``work``), and the thread's place in a tile (first row ``row0``, 16-byte piece ``lane``)."""
 
-    mCache: Any  # [num_blocks, page, 164] int32
+    mCache: Any  # [num_blocks, page, row words] int32
+    scales: Any  # V4's scale rows [num_blocks, page, 2] int32, else None
     mIndices: Any
     mTopkLen: Any
     topk: Any

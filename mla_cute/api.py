@@ -15,6 +15,7 @@ from .backend import ENV_VAR, select_backend
 from .backends import cute, reference
 from .device import device_facts
 from .fp8 import D_QK, dequantize_kv_cache
+from .kv_formats import format_of
 from .schedules import (
     DEFAULT_DENSE_SCHEDULE,
     DEFAULT_SPARSE_SCHEDULE,
@@ -87,6 +88,7 @@ class FlashMLASchedMeta:
         topk: Optional[int]
         extra_page_block_size: Optional[int] = None
         extra_topk: Optional[int] = None
+        kv_format: Optional[str] = None  # sparse: the cache's format (one metadata object serves one)
 
     have_initialized: bool = False
     config: Optional[Config] = None
@@ -230,7 +232,7 @@ def flash_mla_with_kvcache(
         causal: a bool (a numpy bool too; an int such as 1 is refused).
         kv_format (keyword): the sparse cache's format (``mla_cute.kv_formats``): "V32" (656 bytes, d_qk 576),
             "V32_NO_ROPE" (528), "V4" (584), "V41" (528), with q's head_dim 512 for the last three; None: as
-            the bytes per token name it (528: V41).  The cute backend reads V32 only so far.
+            the bytes per token name it (528: V41).  Both backends read every one.
         extra_k_cache / extra_indices_in_kvcache / extra_topk_length: a second quantized cache (its own page
             size and blocks; V41_FP4 beside V41, else k_cache's format) whose indices join the same softmax: out
             and lse over the union of both index sets.  Reference backend only so far.
@@ -247,15 +249,15 @@ def flash_mla_with_kvcache(
     if type(causal) is not bool:  # a numpy bool becomes a bool; anything else is a TypeError (before any work)
         causal = V.check_causal(causal)
     if (num_splits is None and extra_k_cache is None and extra_indices_in_kvcache is None
-            and extra_topk_length is None and kv_format is None and type(tile_scheduler_metadata) is FlashMLASchedMeta
+            and extra_topk_length is None and type(tile_scheduler_metadata) is FlashMLASchedMeta
             and tile_scheduler_metadata._replay is not None):
-        if indices is None and attn_sink is None and topk_length is None:
+        if indices is None and attn_sink is None and topk_length is None and kv_format is None:
             done = _replay_dense(tile_scheduler_metadata, q, k_cache, block_table, cache_seqlens, head_dim_v,
                                  softmax_scale, causal, is_fp8_kvcache, schedule, backend)
         else:
             done = _replay_sparse(tile_scheduler_metadata, q, k_cache, block_table, cache_seqlens, head_dim_v,
                                   softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length,
-                                  schedule, backend)
+                                  kv_format, schedule, backend)
         if done is not None:
             return done
     if num_splits is not None:
@@ -318,16 +320,13 @@ def flash_mla_with_kvcache(
     kind = select_backend(q.device, backend)
     sched = _resolve_schedule(schedule, SparseDecodeSchedule)
     if kind == "cute":
-        if fmt != "V32":
-            raise NotImplementedError(f"kv_format {fmt}: the 'cute' sparse kernel reads the V32 cache only so far "
-                                      "(backend='reference' runs every format)")
         if given:
             raise NotImplementedError("extra_k_cache: the 'cute' sparse kernel reads one cache so far "
                                       "(backend='reference' runs two)")
-        cute.check_sparse_supported(k_cache)
+        cute.check_sparse_supported(k_cache, fmt)
     config = FlashMLASchedMeta.Config(
         q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
-        False, True, indices.shape[-1],
+        False, True, indices.shape[-1], kv_format=fmt,
     )
     first = _check_metadata(tile_scheduler_metadata, config, topk_length)
     if first:
@@ -340,11 +339,11 @@ def flash_mla_with_kvcache(
             return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v,
                                                fmt, extra)
         out, lse = cute.sparse_decode(
-            q, k_cache, indices, topk_length, attn_sink, softmax_scale, tile_scheduler_metadata, first, sched,
+            q, k_cache, indices, topk_length, attn_sink, softmax_scale, tile_scheduler_metadata, first, sched, fmt,
         )
     tile_scheduler_metadata._replay = cute.replay_sparse_plan(
         tile_scheduler_metadata, q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
-        causal, is_fp8_kvcache)
+        causal, is_fp8_kvcache, kv_format)
     return out, lse
 
 
@@ -357,7 +356,7 @@ def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, soft
     the scale, or the backend (argument or environment).
     """
     plan = meta._replay
-    scale = _replay_scale(softmax_scale)
+    scale = _replay_scale(softmax_scale, _DEFAULT_SCALE)
     # The lengths tensor the metadata was checked against, unchanged since: same object, storage,
     # shape and version (in-place writes bump it; assigning ``.data`` moves the storage).
     if (not isinstance(plan, cute.DensePlan) or scale is None or cache_seqlens is not meta._lengths_ref
@@ -374,34 +373,35 @@ def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, soft
 
 
 def _replay_sparse(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
-                   indices, attn_sink, topk_length, schedule, backend):
+                   indices, attn_sink, topk_length, kv_format, schedule, backend):
     """The launch of a sparse decode call whose every checked fact matches the last call that passed
     all checks (as ``_replay_dense``: None sends the call down the checked path)."""
     plan = meta._replay
-    scale = _replay_scale(softmax_scale)
     # topk_length (or its absence) as the metadata was checked against: the same tensor, storage,
     # shape and version.
-    if (not isinstance(plan, cute.SparsePlan) or scale is None or topk_length is not meta._lengths_ref
-            or type(causal) is not bool):
+    if not isinstance(plan, cute.SparsePlan) or topk_length is not meta._lengths_ref or type(causal) is not bool:
         return None
     try:
         facts = cute.sparse_call_facts(q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens,
-                                       head_dim_v, causal, is_fp8_kvcache)
+                                       head_dim_v, causal, is_fp8_kvcache, kv_format)
     except (AttributeError, TypeError):  # not tensors: the full path names the argument
         return None
     if (facts != plan.facts or (topk_length is not None and _lengths_key(topk_length) != meta._lengths_key)
             or not _replay_schedule_and_backend(plan, schedule, SparseDecodeSchedule, backend)):
         return None
+    scale = _replay_scale(softmax_scale, q.shape[-1] ** -0.5)  # equal facts: q is the checked call's 4-d tensor
+    if scale is None:
+        return None
     return cute.launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, scale, meta)
 
 
-def _replay_scale(softmax_scale) -> Optional[float]:
-    """A replayed call's scale, converted as the checked path converts it (``validation.check_scale``);
-    None when the checked path must judge it (and report the error)."""
+def _replay_scale(softmax_scale, default: float) -> Optional[float]:
+    """A replayed call's scale, converted as the checked path converts it (``validation.check_scale``;
+    ``default`` for None); None when the checked path must judge it (and report the error)."""
     if type(softmax_scale) is float:  # the usual case, first and cheap
         return softmax_scale if 0.0 < softmax_scale < _INF else None
     if softmax_scale is None:
-        return _DEFAULT_SCALE
+        return default
     try:
         return V.check_scale("softmax_scale", softmax_scale)
     except (TypeError, ValueError):
@@ -453,7 +453,7 @@ def flash_mla_sparse_fwd(
     if kind == "reference":
         return reference.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
     if kv.dim() == 4:  # the paged FP8 cache
-        cute.check_sparse_supported(kv, "kv")
+        cute.check_sparse_supported(kv, "V32", "kv")
         return cute.sparse_prefill_fp8(q, kv, indices, sm_scale, attn_sink, topk_length)
     return cute.sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length)
 
@@ -509,7 +509,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
             continue
         sparse = bool(cfg.pop("sparse", False))
         required = {"s_q", "h_q"} if sparse else {"dtype", "s_q", "h_q", "h_kv"}
-        allowed = required | ({"attn_sink", "topk_length", "schedule"} if sparse
+        allowed = required | ({"attn_sink", "topk_length", "kv_format", "schedule"} if sparse
                               else {"causal", "page_block_size", "schedule"})
         missing = required - cfg.keys()
         if missing:
@@ -524,8 +524,11 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         default = schedule if isinstance(schedule, kind) else None
         sched = _resolve_schedule(cfg.get("schedule", default), kind)
         if sparse:
+            fmt = format_of(None, cfg.get("kv_format", "V32"), "kv_format")
+            if fmt == "V41_FP4":
+                raise NotImplementedError(f"precompile config {i}: the 'cute' sparse kernel does not read V41_FP4")
             cute.precompile_sparse(cfg["s_q"], cfg["h_q"], bool(cfg.get("attn_sink", False)), sched,
-                                   bool(cfg.get("topk_length", False)))
+                                   bool(cfg.get("topk_length", False)), fmt)
             count += 1
             continue
         if cfg["dtype"] not in V.HALF_DTYPES:

@@ -43,6 +43,8 @@ def format_of(k_cache: torch.Tensor, kv_format=None, name: str = "k_cache") -> s
     """``kv_format`` checked, or the format the cache's bytes per token name (528 means V41: V32_NO_ROPE must be
     said, FlashMLA's rule); ``name``: the cache's argument, for the errors."""
     if kv_format is not None:
+        if not isinstance(kv_format, str):
+            raise TypeError(f"kv_format must be a str, got {type(kv_format).__name__}")
         if kv_format not in BYTES_PER_TOKEN:
             raise ValueError(f"kv_format must be one of {sorted(BYTES_PER_TOKEN)}, got {kv_format!r}")
         return kv_format

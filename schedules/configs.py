@@ -88,11 +88,13 @@ class DenseStepConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SparseSplitConfig:
-    """One sparse FP8 decode split kernel (656-byte V3.2 rows): ``s_q`` tokens of ``h_q`` heads, with an
-    attention sink, with per-request ``topk_length``; the crossover (head tiles in pairs sharing each
-    token tile), the crossover's producer halves, and 16-bit split partials.  ``max_logits``: the kernel
-    also writes each row's max scaled logit (prefill from the FP8 cache, ``flash_mla_sparse_fwd``); its
-    plans never split a request (``planner.whole_token_plan``), so no combine is needed."""
+    """One sparse FP8 decode split kernel: ``s_q`` tokens of ``h_q`` heads, with an attention sink, with
+    per-request ``topk_length``; the crossover (head tiles in pairs sharing each token tile), the crossover's
+    producer halves, and 16-bit split partials.  ``max_logits``: the kernel also writes each row's max scaled
+    logit (prefill from the FP8 cache, ``flash_mla_sparse_fwd``); its plans never split a request
+    (``planner.whole_token_plan``), so no combine is needed.  ``kv_format``: the cache's format
+    (``kernels/cache_rows.py``): "V32" (656-byte rows, d_qk 576), "V32_NO_ROPE", "V41" (528) or "V4" (584,
+    page-blocked), d_qk 512."""
 
     s_q: int
     h_q: int
@@ -102,10 +104,15 @@ class SparseSplitConfig:
     producer_halves: bool
     partials_16bit: bool
     max_logits: bool = False
+    kv_format: str = "V32"
 
     @property
     def head_tiles(self) -> int:
         return -(-self.h_q // 64)
+
+    @property
+    def d_qk(self) -> int:
+        return 576 if self.kv_format == "V32" else 512
 
 
 @dataclasses.dataclass(frozen=True)

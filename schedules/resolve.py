@@ -183,14 +183,15 @@ def dense_precompile_steps(schedule: DenseDecodeSchedule, *, dtype: str, s_q: in
 
 
 def resolve_sparse(schedule: SparseDecodeSchedule, *, b: int, s_q: int, h_q: int, topk: int, has_sink: bool,
-                   has_topk_length: bool, device: DeviceFacts = HOPPER, capturing: bool = False) -> SparseCall:
+                   has_topk_length: bool, device: DeviceFacts = HOPPER, capturing: bool = False,
+                   kv_format: str = "V32") -> SparseCall:
     """The sparse call's kernels and plan.  Rules: the crossover where the 64-head tiles pair; a small plan
     (``small_plan_tiles``, from the shapes) takes the small fixed cost and 16-bit partials and leaves the
     producer whole, other plans split the crossover's producer in halves; the combine is left out when every
     request has ``topk`` tokens (no ``topk_length``), the plan splits none and no CUDA graph is being captured."""
     parts = schedule.num_sm_parts or sparse_num_sm_parts_for(device.num_sms, s_q, h_q)
     split, combine, sched = _sparse_kernels(schedule, s_q, h_q, has_sink, has_topk_length,
-                                            schedule.small_plan(b, topk, parts))
+                                            schedule.small_plan(b, topk, parts), kv_format)
     capture = SparseStepConfig(split, combine, True)
     step = capture
     if not has_topk_length and not capturing and not _topk_plan_has_split(b, topk, parts, sched.policy()):
@@ -199,25 +200,25 @@ def resolve_sparse(schedule: SparseDecodeSchedule, *, b: int, s_q: int, h_q: int
 
 
 def _sparse_kernels(schedule: SparseDecodeSchedule, s_q: int, h_q: int, has_sink: bool, has_topk_length: bool,
-                    small: bool) -> tuple[SparseSplitConfig, CombineConfig, SchedulerConfig]:
+                    small: bool, kv_format: str) -> tuple[SparseSplitConfig, CombineConfig, SchedulerConfig]:
     """The split kernel's, the combine's and the scheduler's configs of a small plan or another: the crossover
     where the 64-head tiles pair (with producer halves unless small), 16-bit partials and the small fixed cost
-    for small plans."""
+    for small plans; the cache format is the kernel's."""
     crossover = -(-h_q // 64) % 2 == 0
     split = SparseSplitConfig(s_q, h_q, has_sink, has_topk_length, crossover,
-                              producer_halves=crossover and not small, partials_16bit=small)
+                              producer_halves=crossover and not small, partials_16bit=small, kv_format=kv_format)
     combine = CombineConfig("bfloat16", h_q, s_q, has_sink, schedule.combine_chunked_batch,
                             schedule.combine_spread_partials)
     return split, combine, SchedulerConfig(*schedule.plan_policy(s_q * h_q, small))
 
 
 def sparse_precompile_steps(schedule: SparseDecodeSchedule, *, s_q: int, h_q: int, has_sink: bool,
-                            has_topk_length: bool) -> list:
+                            has_topk_length: bool, kv_format: str = "V32") -> list:
     """Every (step, scheduler) a sparse call of this shape can resolve to: small plans and others, with the
     combine and, without ``topk_length``, without it."""
     out = []
     for small in ((False, True) if schedule.small_plan_tiles else (False,)):
-        split, combine, sched = _sparse_kernels(schedule, s_q, h_q, has_sink, has_topk_length, small)
+        split, combine, sched = _sparse_kernels(schedule, s_q, h_q, has_sink, has_topk_length, small, kv_format)
         for with_combine in ((True,) if has_topk_length else (True, False)):
             out.append((SparseStepConfig(split, combine, with_combine), sched))
     return out

@@ -77,7 +77,7 @@ def _dense_step(dtype: str, s_q: int, h_q: int, h_kv: int, causal: bool, *, with
 
 
 def _sparse_step(s_q: int, h_q: int, has_sink: bool = False, *, has_topk_length: bool = False,
-                 with_combine: bool = False, **split):
+                 with_combine: bool = False, kv_format: str = "V32", **split):
     """The sparse step the resolver makes for this shape on a plan that is not small, its split config's fields
     ``split`` replaced (the crossover, its producer halves and 16-bit partials are chosen per shape and plan)."""
     import dataclasses
@@ -86,7 +86,7 @@ def _sparse_step(s_q: int, h_q: int, has_sink: bool = False, *, has_topk_length:
 
     # 4096 requests of 2048 tokens: far more tiles a part than a small plan has.
     step = resolve_sparse(DEFAULT_SPARSE_SCHEDULE, b=4096, s_q=s_q, h_q=h_q, topk=2048, has_sink=has_sink,
-                          has_topk_length=has_topk_length, capturing=True).capture_step
+                          has_topk_length=has_topk_length, capturing=True, kv_format=kv_format).capture_step
     return dataclasses.replace(step, split=dataclasses.replace(step.split, **split), with_combine=with_combine)
 
 
@@ -353,6 +353,26 @@ def test_sparse_decode_gathers_with_vector_loads_without_spills(s_q, h_q, sink, 
     spills, regs = _ptxas_report(err)
     assert spills and all(s == (0, 0, 0) for s in spills), f"stack frame / spills: {spills}"
     assert max(regs) <= 168
+    _check_register_split(ptx, regs)
+
+
+@pytest.mark.parametrize("fmt,s_q,h_q,crossover", [("V32_NO_ROPE", 2, 128, True), ("V4", 2, 128, True),
+                                                   ("V41", 1, 64, False), ("V4", 1, 32, False)])
+def test_sparse_decode_reads_each_cache_format_without_spills(fmt, s_q, h_q, crossover, capfd):
+    """The d_qk-512 formats: S takes 32 k-blocks a 64-head tile, no bf16 RoPE block (V4's RoPE is converted to
+    fp16 with the latent); the tokens' bytes arrive with 16-byte loads and dequantize from e4m3."""
+    from mla_cute.kernels.build import compile_sparse
+
+    step = _sparse_step(s_q, h_q, crossover=crossover, producer_halves=False, kv_format=fmt)
+    assert step.split.kv_format == fmt and step.split.d_qk == 512
+    ptx = compile_sparse(step, options=OPTIONS).__ptx__
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" not in ptx  # no bf16 RoPE k-block
+    assert ptx.count("ld.global.v4.b32") >= 10 and "cvt.rn.f16x2.e4m3x2" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    err = capfd.readouterr().err
+    _assert_wgmma_not_serialized(err)
+    spills, regs = _ptxas_report(err)
+    assert spills and all(s == (0, 0, 0) for s in spills), f"stack frame / spills: {spills}"
     _check_register_split(ptx, regs)
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..device import device_facts, num_sms
-from ..fp8 import FP8_BYTES_PER_TOKEN
+from ..kv_formats import BYTES_PER_TOKEN, V4_DATA_ROW
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.planner import whole_token_plan
 from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, resolve_dense, resolve_sparse, resolve_sparse_prefill,
@@ -204,37 +204,56 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
 
 
 # ---------------------------------------------------------------- sparse FP8 decode
-def check_sparse_supported(k_cache: torch.Tensor, name: str = "k_cache") -> None:
-    """The sparse kernel reads 656-byte rows with 16-byte loads: rows packed within a page, 16-byte aligned
-    (``name``: the argument, for the errors)."""
-    if k_cache.stride(3) != 1 or k_cache.stride(1) != FP8_BYTES_PER_TOKEN:
+def check_sparse_supported(k_cache: torch.Tensor, kv_format: str = "V32", name: str = "k_cache") -> None:
+    """The sparse kernel reads a token's bytes with 16-byte loads: rows packed within a page (V4: the page's
+    data and scale rows from its base, the 584-byte rows formal), 16-byte aligned (``name``: the argument, for
+    the errors)."""
+    if kv_format == "V41_FP4":
+        raise NotImplementedError(f"{name}: the 'cute' sparse kernel does not read V41_FP4 caches "
+                                  "(backend='reference' does)")
+    row = BYTES_PER_TOKEN[kv_format]
+    if k_cache.stride(3) != 1 or k_cache.stride(1) != row:
         raise NotImplementedError(
-            f"{name}: the 'cute' sparse kernel needs the {FP8_BYTES_PER_TOKEN}-byte rows of a page packed "
-            f"(strides [*, {FP8_BYTES_PER_TOKEN}, *, 1]), got strides {list(k_cache.stride())}"
+            f"{name}: the 'cute' sparse kernel needs the {row}-byte {kv_format} rows of a page packed "
+            f"(strides [*, {row}, *, 1]), got strides {list(k_cache.stride())}"
         )
     if k_cache.data_ptr() % 16 != 0 or k_cache.stride(0) % 16 != 0:
         raise NotImplementedError(f"{name}: the 'cute' sparse kernel needs a 16-byte aligned base and block stride")
+
+
+def cache_words(k_cache: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """The kernel's view of the cache: [num_blocks, page, row words] int32, a token's row (V4: its 576-byte data
+    row at 576 t of the page; the kernel finds the scale rows after the page's data rows)."""
+    words = k_cache.view(torch.int32)
+    if kv_format != "V4":
+        return words.select(2, 0)
+    nb, page = k_cache.shape[0], k_cache.shape[1]
+    return torch.as_strided(words, (nb, page, V4_DATA_ROW // 4), (words.stride(0), V4_DATA_ROW // 4, 1),
+                            words.storage_offset())
 
 
 class SparsePlan:
     """What a metadata object holds for the sparse cute kernel: the compiled step and the workspace.
     ``schedule`` is the call's, ``config`` the ``SparseCall`` resolved for it."""
 
-    __slots__ = ("schedule", "config", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype", "facts")
+    __slots__ = ("schedule", "config", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype", "facts",
+                 "kv_format")
 
-    def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta):
+    def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta,
+                 kv_format: str = "V32"):
         from ..kernels.build import compile_sparse
 
         b, s_q, h_q, _ = q.shape
         self.schedule, self.b, self.s_q, self.h_q, self.has_sink, self.dtype = schedule, b, s_q, h_q, has_sink, q.dtype
-        self.facts = None
+        self.facts, self.kv_format = None, kv_format
         # Without topk_length every request has topk tokens: the kernel is built for that and loads no length
         # (the first call's choice holds for the metadata's later calls, as for attn_sink).  The step with the
         # combine is loaded in any case, for a CUDA graph captured later.
         given = topk_length is not None
         call = self.config = resolve_sparse(
             schedule, b=b, s_q=s_q, h_q=h_q, topk=topk, has_sink=has_sink, has_topk_length=given,
-            device=device_facts(q.device), capturing=q.is_cuda and torch.cuda.is_current_stream_capturing())
+            device=device_facts(q.device), capturing=q.is_cuda and torch.cuda.is_current_stream_capturing(),
+            kv_format=kv_format)
         self.step = compile_sparse(call.capture_step)
         if call.step != call.capture_step:
             self.step = compile_sparse(call.step)
@@ -245,11 +264,12 @@ class SparsePlan:
 
 
 def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
-                  schedule: SparseDecodeSchedule):
+                  schedule: SparseDecodeSchedule, kv_format: str = "V32"):
     has_sink = attn_sink is not None
     plan = _reused_plan(meta, "sparse", first, schedule)
     if plan is None:
-        plan = meta._state["sparse"] = SparsePlan(q, indices.shape[-1], topk_length, has_sink, schedule, meta)
+        plan = meta._state["sparse"] = SparsePlan(q, indices.shape[-1], topk_length, has_sink, schedule, meta,
+                                                  kv_format)
     elif plan.has_sink != has_sink:
         raise ValueError(
             "attn_sink must be given on every call with this tile_scheduler_metadata or on none "
@@ -264,7 +284,7 @@ def launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink,
     out, lse = _outputs(plan, q.device)
     plan.step(
         q if _aligned(q) else _packed_copy(q),
-        k_cache.view(torch.int32).select(2, 0),  # the 656-byte rows as 164 int32 words (a view)
+        cache_words(k_cache, plan.kv_format),
         indices if indices.stride(-1) == 1 else indices.contiguous(),
         topk_length,
         meta.tile_scheduler_metadata, meta.num_splits, out, lse, plan.o_accum, plan.lse_accum,
@@ -283,31 +303,33 @@ def _tensor_facts(t) -> Optional[tuple]:
 
 
 def sparse_call_facts(q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
-                      causal, is_fp8_kvcache) -> tuple:
+                      causal, is_fp8_kvcache, kv_format) -> tuple:
     """Everything the checks of a sparse call read, except topk_length's identity and values (the
-    metadata tracks those)."""
+    metadata tracks those); ``kv_format`` as given."""
     return (
         _tensor_facts(q), _tensor_facts(k_cache), _tensor_facts(indices), _tensor_facts(topk_length),
         _tensor_facts(attn_sink), _tensor_facts(block_table), _tensor_facts(cache_seqlens),
-        head_dim_v, causal, is_fp8_kvcache,
+        head_dim_v, causal, is_fp8_kvcache, type(kv_format), kv_format,
     )
 
 
 def replay_sparse_plan(meta, q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
-                       causal, is_fp8_kvcache) -> SparsePlan:
+                       causal, is_fp8_kvcache, kv_format) -> SparsePlan:
     """Mark the metadata's sparse plan replayable for calls with the facts of this one, which just
     passed every check in ``sparse_decode``."""
     plan = meta._state["sparse"]
     plan.facts = sparse_call_facts(q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens,
-                                   head_dim_v, causal, is_fp8_kvcache)
+                                   head_dim_v, causal, is_fp8_kvcache, kv_format)
     return plan
 
 
-def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_topk_length: bool = False) -> None:
+def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_topk_length: bool = False,
+                      kv_format: str = "V32") -> None:
     """Every step and scheduler a sparse call of this configuration can resolve to (``sparse_precompile_steps``)."""
     from ..kernels.build import compile_scheduler, compile_sparse
 
-    steps = sparse_precompile_steps(schedule, s_q=s_q, h_q=h_q, has_sink=has_sink, has_topk_length=has_topk_length)
+    steps = sparse_precompile_steps(schedule, s_q=s_q, h_q=h_q, has_sink=has_sink, has_topk_length=has_topk_length,
+                                    kv_format=kv_format)
     for step, _ in steps:
         compile_sparse(step)
     for scheduler in dict.fromkeys(sched for _, sched in steps):

@@ -1,0 +1,155 @@
+"""The sparse decode producer's view of a cache format (``mla_cute.kv_formats``): which bytes of a token a
+producer thread loads, and how each piece dequantizes into the fp16 K tile.
+
+Every format gives a thread (lane l of the 8 sharing a token) the same K-tile columns: latent piece m
+(m < 4) is the 16 columns from 128 m + 16 l; the RoPE piece, where there is one, 8 bf16 values.  The
+thread's registers per token (int32 words, 4 a slot): slots 0-3 the latent pieces, 4 the scales, 5 the
+RoPE piece.
+
+  V32          656 B a token: e4m3 piece m at byte 16 (8 m + l); 4 fp32 scales at 512 (one per 128: piece
+               m's is word m); RoPE bf16 at 528 + 16 l into columns 512 + 8 l, left bf16 (S's RoPE
+               k-blocks are bf16 MMAs; V is columns 0-511).  d_qk 576.
+  V32_NO_ROPE  528 B: the latent and its scales as V32; no RoPE.  d_qk 512.
+  V41          528 B: the latent as V32 (its last 64 values are the quantized RoPE); 16 ue8m0 scales at 512
+               (one per 32: piece m's is byte 4 m + l / 2).  d_qk 512.
+  V4           page-blocked: data row t at byte 576 t of its page: 448 e4m3 (pieces m < 3, and m = 3 for
+               l < 4), RoPE bf16 at 448 + 16 l into columns 448 + 8 l, converted to fp16 (V reads them
+               too, so they take the operand type); scale row t at 576 page + 8 t: 7 ue8m0 (one per 64:
+               piece m's is byte 2 m + l / 4).  d_qk 512.
+
+A ue8m0 byte e is the scale 2^(e - 127), made as the fp32 of bits e << 23 and rounded to fp16 like V32's
+fp32 scales: exact for the quantizers' scales, 2^-13 and up.  fp16 holds the dequantized values up to
+65504 (a scale up to 2^7), and V4's RoPE values alike (larger ones become inf).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+PIECE = 16  # bytes per load
+WORDS = PIECE // 4
+LATENT_PIECES = 4  # latent loads a thread per token
+SCALE_SLOT = LATENT_PIECES
+ROPE_SLOT = LATENT_PIECES + 1
+SLOTS = LATENT_PIECES + 2
+
+
+class CacheRows:
+    """One format's token bytes (the class attributes) and its producer steps.
+
+    ``row_bytes``: a token's bytes in the kernel's ``mCache`` rows (V4: its data row); ``d_qk``: q's head
+    dimension; ``rope_col``: the K-tile column of lane 0's RoPE piece (None: no RoPE piece);
+    ``rope_bf16``: the RoPE columns stay bf16 (S's separate k-blocks) rather than fp16;
+    ``whole_tile_rows_in_flight``: the rows (of 4) a whole-tile gather's thread loads before converting them."""
+
+    row_bytes = 528
+    d_qk = 512
+    rope_col = None
+    rope_bf16 = False
+    whole_tile_rows_in_flight = 4  # rows a whole-tile gather's thread loads before converting them
+
+    @property
+    def row_words(self) -> int:
+        return self.row_bytes // 4
+
+    @property
+    def tile_cols(self) -> int:
+        """K-tile columns the producer fills (and a crossover hands over): 576 with the bf16 RoPE block."""
+        return 576 if self.rope_bf16 else 512
+
+    def scale_view(self, mCache):
+        """The scale rows beside ``mCache``'s (None: the scales are in the token's row)."""
+        return None
+
+    @cute.jit
+    def load(self, raw, k, src, blk_id, off):
+        """Start this thread's loads of token ``off`` of block ``blk_id`` into ``raw[None, :, k]``."""
+        row = src.mCache[blk_id, off, None]
+        lane = src.lane
+        for m in cutlass.range_constexpr(LATENT_PIECES):
+            cute.autovec_copy(cute.local_tile(row, (WORDS,), (m * 8 + lane,)), raw[None, m, k])
+        cute.autovec_copy(cute.local_tile(row, (WORDS,), (512 // PIECE,)), raw[None, SCALE_SLOT, k])
+
+    def piece_lanes(self, m: int) -> int:
+        """The lanes (from 0) whose latent piece ``m`` is e4m3: all 8 (V4's piece 3: 4, the rest is RoPE)."""
+        return 8
+
+    @cute.jit
+    def scale(self, raw, k, m, lane):
+        """Latent piece ``m``'s scale, fp32."""
+        return cute.recast_tensor(raw[None, SCALE_SLOT, k], cutlass.Float32)[m]
+
+
+class V32Rows(CacheRows):
+    row_bytes = 656
+    d_qk = 576
+    rope_col = 512
+    rope_bf16 = True
+
+    @cute.jit
+    def load(self, raw, k, src, blk_id, off):
+        CacheRows.load(self, raw, k, src, blk_id, off)
+        row = src.mCache[blk_id, off, None]
+        cute.autovec_copy(cute.local_tile(row, (WORDS,), ((512 + 16) // PIECE + src.lane,)), raw[None, ROPE_SLOT, k])
+
+
+class NoRopeRows(CacheRows):
+    """V32_NO_ROPE."""
+
+
+@cute.jit
+def ue8m0_scale(word, byte):
+    """The fp32 scale 2^(e - 127) of byte ``byte`` (0-3, may be a register) of ``word``."""
+    bits = cute.make_rmem_tensor((1,), cutlass.Int32)
+    bits[0] = ((word >> (byte * 8)) & 0xFF) << 23
+    return cute.recast_tensor(bits, cutlass.Float32)[0]
+
+
+class V41Rows(CacheRows):
+    whole_tile_rows_in_flight = 2
+    @cute.jit
+    def scale(self, raw, k, m, lane):
+        # Byte 4 m + l / 2 of the 16: word m, byte l / 2.
+        return ue8m0_scale(raw[m, SCALE_SLOT, k], lane >> 1)
+
+
+class V4Rows(CacheRows):
+    row_bytes = 576  # the data row (448 e4m3 + 64 bf16); the 8-byte scale rows follow the page's data rows
+    rope_col = 448
+
+    def scale_view(self, mCache):
+        """Scale row t of block b: 2 words at word 144 page + 2 t of the block."""
+        page = mCache.shape[1]
+        layout = cute.make_layout((mCache.shape[0], page, 2), stride=(mCache.stride[0], 2, 1))
+        return cute.make_tensor(mCache.iterator + cute.assume(page * self.row_words, divby=16), layout)
+
+    def piece_lanes(self, m: int) -> int:
+        return 4 if m == 3 else 8
+
+    @cute.jit
+    def load(self, raw, k, src, blk_id, off):
+        row = src.mCache[blk_id, off, None]
+        lane = src.lane
+        for m in cutlass.range_constexpr(LATENT_PIECES - 1):
+            cute.autovec_copy(cute.local_tile(row, (WORDS,), (m * 8 + lane,)), raw[None, m, k])
+        if lane < 4:
+            cute.autovec_copy(cute.local_tile(row, (WORDS,), (24 + lane,)), raw[None, 3, k])
+        cute.autovec_copy(cute.local_tile(row, (WORDS,), (448 // PIECE + lane,)), raw[None, ROPE_SLOT, k])
+        scales = src.scales[blk_id, off, None]
+        cute.autovec_copy(scales, cute.local_tile(raw[None, SCALE_SLOT, k], (2,), (0,)))
+
+    @cute.jit
+    def scale(self, raw, k, m, lane):
+        # Byte 2 m + l / 4 of the 8: word m / 2, byte 2 (m % 2) + l / 4.
+        return ue8m0_scale(raw[m // 2, SCALE_SLOT, k], 2 * (m % 2) + (lane >> 2))
+
+
+ROWS = {"V32": V32Rows, "V32_NO_ROPE": NoRopeRows, "V41": V41Rows, "V4": V4Rows}
+
+
+def cache_rows(kv_format: str) -> CacheRows:
+    """The producer's steps for ``kv_format`` (a sparse decode kernel's config field)."""
+    if kv_format not in ROWS:
+        raise ValueError(f"kv_format: the sparse decode kernel reads {sorted(ROWS)}, got {kv_format!r}")
+    return ROWS[kv_format]()
