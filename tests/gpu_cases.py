@@ -107,24 +107,27 @@ def magnitude_abs_tol(ref_out, base: float) -> float:
 
 
 def make_sparse_case(b, s_q, h_q, s_k, topk, page, *, invalid_frac=0.1, out_of_range=False, topk_length=None,
-                     attn_sink=None, seed=0, growing=False, kv_scale=1.0, q_scale=1.0, device="cuda"):
+                     attn_sink=None, seed=0, growing=False, kv_scale=1.0, q_scale=1.0, kv_format="V32", device="cuda"):
     """A sparse FP8 decode case as FlashMLA's tests build it: each request owns ceil(s_k / page) randomly
     placed blocks of a 656-byte FP8 cache; each query picks topk of its request's s_k tokens (distinct
     while topk <= s_k, -1 beyond that), a fraction set to -1; ``out_of_range`` replaces another
     fraction with values outside the cache (never read).  ``growing``: cache row r scaled by
     2^(10 r / rows), q by 10, and each query's indices in ascending order, so its scores grow along
     the topk order by hundreds in log2 units.  ``kv_scale`` / ``q_scale`` multiply the cache before its
-    quantization and q (to reach the ends of a kernel's exact ranges)."""
-    from mla_cute.fp8 import quantize_kv_cache
+    quantization and q (to reach the ends of a kernel's exact ranges).  ``kv_format``: the cache's format
+    (``mla_cute.kv_formats``; q's head dimension is the format's), given to the call unless V32."""
+    from mla_cute.kv_formats import HEAD_DIM, quantize_kv_cache
 
+    d = HEAD_DIM[kv_format]
     gen = torch.Generator().manual_seed(seed)
     blocks_per_req = math.ceil(s_k / page)
     nb = b * blocks_per_req + 1
-    cache16 = (torch.randn(nb, page, 1, 576, generator=gen) * 0.1).clamp(-1, 1)
+    cache16 = (torch.randn(nb, page, 1, d, generator=gen) * 0.1).clamp(-1, 1)
     if growing:
         cache16 = cache16 * torch.pow(2.0, torch.linspace(0, 10, nb * page)).view(nb, page, 1, 1)
     cache16 = (cache16 * kv_scale).to(torch.bfloat16)
-    k_cache = quantize_kv_cache(cache16)
+    # On the device: V4's pages are padded to 576-byte multiples, a layout a copy to the device would not keep.
+    k_cache = quantize_kv_cache(cache16 if kv_format == "V32" else cache16.to(device), kv_format)
     perm = torch.randperm(nb, generator=gen)[: b * blocks_per_req].view(b, blocks_per_req)
     idx = torch.full((b, s_q, topk), -1, dtype=torch.int64)
     n = min(topk, s_k)
@@ -139,12 +142,14 @@ def make_sparse_case(b, s_q, h_q, s_k, topk, page, *, invalid_frac=0.1, out_of_r
         high = torch.randint(nb * page, 2**31 - 1, idx.shape, generator=gen)
         low = torch.randint(-(2**31), -1, idx.shape, generator=gen)
         idx[bad] = torch.where(torch.rand(idx.shape, generator=gen) < 0.5, high, low)[bad]
-    q = (torch.randn(b, s_q, h_q, 576, generator=gen) * 0.1).clamp(-1, 1)
+    q = (torch.randn(b, s_q, h_q, d, generator=gen) * 0.1).clamp(-1, 1)
     q = q * q_scale
     if growing:
         q = q * 10
         idx = idx.sort(dim=-1).values
     case = dict(q=q.to(torch.bfloat16).to(device), k_cache=k_cache.to(device), indices=idx.to(torch.int32).to(device))
+    if kv_format != "V32":
+        case["kv_format"] = kv_format
     if topk_length is not None:
         case["topk_length"] = torch.as_tensor(topk_length, dtype=torch.int32).to(device)
     if attn_sink is not None:

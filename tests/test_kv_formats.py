@@ -232,3 +232,18 @@ def test_write_kv_cache_rejects():
         mla_cute.write_kv_cache(cache, rows, torch.tensor([0, 32, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match="distinct slots"):
         mla_cute.write_kv_cache(cache, rows, torch.tensor([4, 4, 1], dtype=torch.int32))
+
+
+def test_metadata_serves_one_format():
+    """A metadata object bound by a call on one format refuses another format of the same shapes (V41 and
+    V32_NO_ROPE share 528 bytes a token), naming kv_format."""
+    cache, _, idx = _decode_case("V41", 2, 16, 1, 1, 16, 8, seed=0)
+    q = torch.randn(1, 1, 16, 512).bfloat16()
+    meta = mla_cute.get_mla_metadata()[0]
+    kw = dict(is_fp8_kvcache=True, indices=idx, backend="reference")
+    mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, **kw)
+    with pytest.raises(ValueError, match="kv_format: 'V41' -> 'V32_NO_ROPE'"):
+        mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, kv_format="V32_NO_ROPE", **kw)
+    with pytest.raises(TypeError, match="kv_format must be a str"):
+        mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, mla_cute.get_mla_metadata()[0],
+                                        kv_format=4, **kw)

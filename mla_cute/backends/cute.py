@@ -218,7 +218,9 @@ def check_sparse_supported(k_cache: torch.Tensor, kv_format: str = "V32", name: 
             f"(strides [*, {row}, *, 1]), got strides {list(k_cache.stride())}"
         )
     if k_cache.data_ptr() % 16 != 0 or k_cache.stride(0) % 16 != 0:
-        raise NotImplementedError(f"{name}: the 'cute' sparse kernel needs a 16-byte aligned base and block stride")
+        pad = " (quantize_kv_cache pads V4 pages to 576-byte multiples)" if kv_format == "V4" else ""
+        raise NotImplementedError(f"{name}: the 'cute' sparse kernel needs a 16-byte aligned base and block stride, "
+                                  f"got block stride {k_cache.stride(0)}{pad}")
 
 
 def cache_words(k_cache: torch.Tensor, kv_format: str) -> torch.Tensor:
