@@ -144,9 +144,9 @@ def compile_scheduler(config: SchedulerConfig, options: str = ""):
 
 
 def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length: bool, partials_16bit: bool = False,
-                            max_logits: bool = False, kv_format: str = "V32"):
+                            max_logits: bool = False, kv_format: str = "V32", extra_cache: bool = False):
     """Fake tensors matching ``SparseDecodeFp8Kernel.__call__`` (and the sparse step's); without ``max_logits``
-    None in its place."""
+    None in its place, without ``extra_cache`` None for the extra cache, its indices and lengths."""
     from .cache_rows import cache_rows
 
     rows = cache_rows(kv_format)
@@ -158,12 +158,19 @@ def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length:
                              assumed_align=16)
     indices = make_fake_tensor(cutlass.Int32, (b, s_q, topk), (_sym(1, 64), _sym(1, 64), 1), assumed_align=4)
     topk_len = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4) if has_topk_length else None
+    extra = (None, None, None)
+    if extra_cache:  # its own blocks, page size and topk
+        extra = (make_fake_tensor(cutlass.Int32, (_sym(), _sym(), rows.row_words), (_sym(4, 64), rows.row_words, 1),
+                                  assumed_align=16),
+                 make_fake_tensor(cutlass.Int32, (b, s_q, _sym()), (_sym(1, 64), _sym(1, 64), 1), assumed_align=4),
+                 make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4))
     sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if has_sink else None
     partial = bf16 if partials_16bit else cutlass.Float32
     top = None
     if max_logits:
         top = make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4)
-    return (q, cache, indices, topk_len, *_split_io(bf16, b, s_q, h_q, 1, partial), sink, top, *_scale_and_stream())
+    return (q, cache, indices, topk_len, *extra, *_split_io(bf16, b, s_q, h_q, 1, partial), sink, top,
+            *_scale_and_stream())
 
 
 def compile_sparse(step: SparseStepConfig, options: str = ""):
@@ -185,7 +192,7 @@ def compile_sparse(step: SparseStepConfig, options: str = ""):
 
             kernel = SparseDecodeStep(kernel, CombineKernel(step.combine))
         args = sparse_decode_signature(split.s_q, split.h_q, split.has_sink, split.has_topk_length,
-                                       split.partials_16bit, split.max_logits, split.kv_format)
+                                       split.partials_16bit, split.max_logits, split.kv_format, split.extra_cache)
         return cute.compile(kernel, *args, options=compile_options(options))
 
     return cached_compile(("sparse_decode_fp8", step, options), build, describe=f"sparse decode {step}",

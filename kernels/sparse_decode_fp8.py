@@ -76,7 +76,8 @@ from .constants import BLOCK_M, BLOCK_N, D_QK, D_V
 from .epilogue import StagedRows
 from .layouts import make_q_pipeline, make_smem_layouts, operand_tiles, row_exchange, staged_rows_layout
 from .serial_consumer import RopeQK, make_consumer_mmas
-from .work import OutputTile, SplitOutputs, WorkSlice, advance_lengths, lengths_ahead, load_splits
+from .work import OutputTile, SplitOutputs, WorkSlice, load_splits
+from .sparse_tiles import RequestLengths, TileCursor
 from .layouts import lse_rows, out_rows
 from .barriers import SparseBarrier
 from .cache_rows import LATENT_PIECES, PIECE, ROPE_SLOT, SLOTS, WORDS, cache_rows
@@ -124,6 +125,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         self.peer_tx_bytes = (BLOCK_N // 2) * (self.rows.tile_cols * 2 + 4)
         # The leader keeps each row's exact max for max_logits (prefill from the FP8 cache: whole requests).
         self.max_logits = config.max_logits
+        self.extra_cache = config.extra_cache
         self.head_tiles = config.head_tiles
         self.kv_stages = 2
         # The two 64-head tiles of a pair share every token tile (2-CTA cluster); each CTA hands the peer its
@@ -139,8 +141,14 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # tile), 4 again with producer halves (half the threads a tile).
         self.rounds = ROUNDS // 2 if self.crossover and not self.halves else ROUNDS
         # Rows a producer thread loads before converting them: all of its rows of a tile (144 registers).
-        # V41's whole-tile gather converts two at a time (its per-lane ue8m0 scales spill at four).
-        self.rows_in_flight = self.rounds if self.crossover else self.rows.whole_tile_rows_in_flight
+        # V41's whole-tile gather converts two at a time (its per-lane ue8m0 scales spill at four), and so does
+        # a d_qk-512 format's whole-tile gather from two caches (the second cache's addresses: it spills 28-56
+        # bytes at four rows, 36 at two; V32's, at 144 registers, spills none at four).
+        self.rows_in_flight = self.rounds
+        if not self.crossover:
+            self.rows_in_flight = self.rows.whole_tile_rows_in_flight
+            if config.extra_cache and not self.rows.rope_bf16:
+                self.rows_in_flight = 2
         self.stream_threads = 64 if self.halves else 128  # producer threads that gather one tile
         self.stream_warps = self.stream_threads // 32
         self.warp_rows = self.rounds * 32 // LANES_PER_ROW  # consecutive rows a producer warp hands over
@@ -164,6 +172,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         mCache: cute.Tensor,  # [num_blocks, page, row_bytes / 4] int32 (V4: the data rows; the scales follow)
         mIndices: cute.Tensor,  # [b, s_q, topk] int32
         mTopkLen: cute.Tensor,  # [b] int32, or None: every request attends to topk tokens
+        mExtraCache: cute.Tensor,  # with ``extra_cache``: the extra cache's rows as mCache's, else None
+        mExtraIndices: cute.Tensor,  # with ``extra_cache``: [b, s_q, extra_topk] int32, else None
+        mExtraLen: cute.Tensor,  # with ``extra_cache``: [b] int32 (mTopkLen given too), else None
         mSched: cute.Tensor,  # [num_parts, 8] int32
         mNumSplits: cute.Tensor,  # [b + 1] int32
         mOut: cute.Tensor,  # [b, s_q, h_q, 512] bf16
@@ -177,6 +188,11 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     ):
         if cutlass.const_expr((mMaxLogits is not None) != self.max_logits):
             raise ValueError(f"max_logits: the kernel is built with max_logits={self.max_logits}")
+        if cutlass.const_expr((mExtraCache is not None) != self.extra_cache):
+            raise ValueError(f"extra_cache: the kernel is built with extra_cache={self.extra_cache}")
+        extra_scales = None
+        if cutlass.const_expr(self.extra_cache):
+            extra_scales = self.rows.scale_view(mExtraCache)
         # (h_q, d_qk, s_q, b): feature-contiguous, as TMA wants; heads past h_q read as zeros.
         q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 3, 1, 0]))
         mma_qk_first, tiled_mma_qk, tiled_mma_pv = make_consumer_mmas(self.operand_dtype)
@@ -211,7 +227,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         self.kernel(
             mma_qk_first, tiled_mma_qk, tiled_mma_pv,
             tma_atom_q, tma_q,
-            mCache, self.rows.scale_view(mCache), mIndices, mTopkLen, mSched,
+            mCache, self.rows.scale_view(mCache), mIndices, mTopkLen,
+            mExtraCache, extra_scales, mExtraIndices, mExtraLen, mSched,
             SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum, mSink, mMaxLogits),
             scale_log2,
             sQ_layout, sK_layout, sV_layout, sP_layout,
@@ -237,6 +254,10 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         mScales: cute.Tensor,  # V4's scale rows, else None
         mIndices: cute.Tensor,
         mTopkLen: cute.Tensor,
+        mExtraCache: cute.Tensor,
+        mExtraScales: cute.Tensor,
+        mExtraIndices: cute.Tensor,
+        mExtraLen: cute.Tensor,
         mSched: cute.Tensor,
         outs: SplitOutputs,
         scale_log2: cutlass.Float32,
@@ -277,7 +298,6 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         sQ, sK, sV, sP = operand_tiles(storage, sQ_layout, sK_layout, sV_layout, sP_layout)
         sBias = storage.bias.get_tensor(cute.make_layout((BLOCK_N, self.kv_stages)))
 
-        topk = mIndices.shape[2]
 
         # The TMA writes Q as bf16; with fp16 operands its readers convert it in place (``QConversion``), and
         # the softmax scale takes back Q_PRESCALE.
@@ -313,25 +333,32 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         if wg_idx == 0:
             set_registers(self.regs[0], self.launch_regs)
             work = WorkSlice.of(mSched, part)
+            lengths = self.request_lengths(mIndices, mTopkLen, mExtraIndices, mExtraLen)
+            extra = None
+            if cutlass.const_expr(self.extra_cache):
+                extra = ExtraRows(mExtraCache, mExtraScales, mExtraIndices, mExtraCache.shape[1],
+                                  mExtraCache.shape[0] * mExtraCache.shape[1])
             stores = StageStores(sK_layout, storage.sK.data_ptr(), storage.bias.data_ptr(), rank)
             self.produce(
                 q_load, sBias, q_pipe, kv_pipe,
-                mCache, mScales, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, stores,
+                mCache, mScales, mIndices, lengths, extra, s_idx, head_tile, work, warp_idx, tidx, stores,
             )
         else:
             sScale, sSum = row_exchange(storage)  # sScale: the leader's factor and max per row
             if wg_idx == 1:
                 set_registers(self.regs[1], self.launch_regs)
                 work = WorkSlice.of(mSched, part)
+                lengths = self.request_lengths(mIndices, mTopkLen, mExtraIndices, mExtraLen)
                 view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 0, tidx % 128, rope)
                 q_conv = QConversion(q_words, pipeline.NamedBarrier(barrier_id=int(SparseBarrier.Q_CONVERTED), num_threads=128))
-                self.lead(view, sScale, sSum, sBias, q_load.full, q_conv, staged, kv_pipe, mTopkLen, topk,
+                self.lead(view, sScale, sSum, sBias, q_load.full, q_conv, staged, kv_pipe, lengths,
                           outs_lead, scale_log2, s_idx, head_tile, work, rank)
             else:
                 set_registers(self.regs[2], self.launch_regs)
                 work = WorkSlice.of(mSched, part)
+                lengths = self.request_lengths(mIndices, mTopkLen, mExtraIndices, mExtraLen)
                 view = self.lf_view(lf_mmas, sQ, sK, sV, sP, 1, tidx % 128)
-                self.follow(view, sScale, sSum, q_load, staged, kv_pipe, mTopkLen, topk, outs_follow,
+                self.follow(view, sScale, sSum, q_load, staged, kv_pipe, lengths, outs_follow,
                             scale_log2, s_idx, head_tile, work, rank)
         if cutlass.const_expr(self.crossover):
             # Neither CTA may exit while the peer can still store or arrive into its shared memory.
@@ -341,14 +368,23 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
+    def request_lengths(self, mIndices, mTopkLen, mExtraIndices, mExtraLen) -> RequestLengths:
+        """What each role reads of the requests' lengths; made inside the role's branch (as its ``WorkSlice``)."""
+        if cutlass.const_expr(self.extra_cache):
+            return RequestLengths(mTopkLen, mIndices.shape[2], mExtraLen, mExtraIndices.shape[2])
+        return RequestLengths(mTopkLen, mIndices.shape[2])
+
     # -------------------------------------------------------------- gather producer
     @cute.jit
     def produce(
         self, q_load, sBias, q_pipe, kv_pipe,
-        mCache, mScales, mIndices, mTopkLen, topk, s_idx, head_tile, work, warp_idx, tidx, stores,
+        mCache, mScales, mIndices, lengths, extra, s_idx, head_tile, work, warp_idx, tidx, stores,
     ):
         page = mCache.shape[1]
         num_rows = mCache.shape[0] * page
+        if cutlass.const_expr(extra is not None):
+            # This token's extra indices ([b, extra_topk]).
+            extra = dataclasses.replace(extra, mIndices=extra.mIndices[None, s_idx, None], lane=tidx % LANES_PER_ROW)
         lane = tidx % LANES_PER_ROW
         # With producer halves, half ``half`` takes the part's tiles n with n % 2 == half; ``stream``: the thread's
         # index among those that gather its tiles.
@@ -364,7 +400,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             row0 = stores.rank * (BLOCK_N // 2) + (stream // 32) * self.warp_rows + (stream % 32) // LANES_PER_ROW
         else:
             row0 = stores.rank * (BLOCK_N // 2) + tidx // LANES_PER_ROW
-        src = RowSource(mCache, mScales, mIndices, mTopkLen, topk, s_idx, row0, lane, page, num_rows, work)
+        src = RowSource(mCache, mScales, mIndices, lengths, s_idx, row0, lane, page, num_rows, work, extra)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         gather = RowGather(
             raw=cute.make_rmem_tensor((WORDS, SLOTS, self.rows_in_flight), cutlass.Int32),
@@ -380,19 +416,19 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         look = Lookahead(
             next_idx=cute.make_rmem_tensor((self.rounds,), cutlass.Int32),
             ahead_idx=cute.make_rmem_tensor((self.rounds,), cutlass.Int32),
-            cursor=TileCursor.start(work, mTopkLen, topk),
+            cursor=TileCursor.start(work, lengths),
         )
         if cutlass.const_expr(self.halves):
             if half == 1:
-                look.cursor.advance(work, mTopkLen, topk)
+                look.cursor.advance(work, lengths)
         self.load_indices(look.next_idx, src, look.cursor)
         if cutlass.const_expr(self.crossover):
             self.advance_stream(look.cursor, src)
             self.load_indices(look.ahead_idx, src, look.cursor)
-        lens = topk_lengths_ahead(mTopkLen, work)
+        lens = lengths.ahead(work)
         tile_no = cutlass.Int32(0)  # the part's tiles so far (producer halves)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            first, last = next_request(lens, mTopkLen, work, req, topk)
+            first, last = lengths.next(lens, work, req)
             for blk in cutlass.range(first, last, unroll=1):
                 if cutlass.const_expr(self.halves):
                     if tile_no % 2 == half:
@@ -405,9 +441,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     @cute.jit
     def advance_stream(self, cursor, src):
         """``cursor`` to this thread's next tile: the next one, or with producer halves the one after."""
-        cursor.advance(src.work, src.mTopkLen, src.topk)
+        cursor.advance(src.work, src.lengths)
         if cutlass.const_expr(self.halves):
-            cursor.advance(src.work, src.mTopkLen, src.topk)
+            cursor.advance(src.work, src.lengths)
 
     @cute.jit
     def gather_tile(self, src, look, gather, kv_pipe, kv_state, stores, sBias, warp_idx, stream):
@@ -429,7 +465,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         for g in cutlass.range_constexpr(self.rounds // self.rows_in_flight):
             for k in cutlass.range_constexpr(self.rows_in_flight):
                 idx = cur_idx[g * self.rows_in_flight + k]
-                ok = (idx >= 0) & (idx < src.num_rows)
+                ok = self.row_valid(src, idx)
                 self.load_row(gather, k, src, idx, ok)
             if cutlass.const_expr(self.crossover and g == 0):
                 # This thread's next tile, of this request or the next (past the part's last tile: -1).
@@ -486,13 +522,41 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     def load_indices(self, dst, src, at):
         """The cache indices of this thread's rows of the tile ``at`` (a ``TileCursor``) points to (-1 past
         the request's length, and past the part's last tile; positions past topk, when topk is not a
-        multiple of 64, are never read)."""
+        multiple of 64, are never read).  With an extra cache a request's tiles past its main tokens' take
+        the extra indices, as ids ``num_rows + e`` (an index out of its cache's range becomes -1)."""
         req, blk, limit = at.pos[0], at.pos[1], at.pos[3]
-        for r in cutlass.range_constexpr(self.rounds):
-            pos = blk * BLOCK_N + src.row0 + self.row_step * r
-            dst[r] = -1
-            if pos < limit:
-                dst[r] = src.mIndices[req, src.s_idx, pos]
+        if cutlass.const_expr(src.extra is None):
+            for r in cutlass.range_constexpr(self.rounds):
+                pos = blk * BLOCK_N + src.row0 + self.row_step * r
+                dst[r] = -1
+                if pos < limit:
+                    dst[r] = src.mIndices[req, src.s_idx, pos]
+        else:
+            main_len = at.pos[4]
+            main_tiles = (main_len + BLOCK_N - 1) // BLOCK_N
+            extra_blk = blk - main_tiles
+            for r in cutlass.range_constexpr(self.rounds):
+                row = src.row0 + self.row_step * r
+                dst[r] = -1
+                if extra_blk < 0:
+                    if blk * BLOCK_N + row < main_len:
+                        idx = src.mIndices[req, src.s_idx, blk * BLOCK_N + row]
+                        if (idx >= 0) & (idx < src.num_rows):
+                            dst[r] = idx
+                else:
+                    if extra_blk * BLOCK_N + row < limit - main_tiles * BLOCK_N:
+                        idx = src.extra.mIndices[req, extra_blk * BLOCK_N + row]
+                        if (idx >= 0) & (idx < src.extra.num_rows):
+                            dst[r] = idx + src.num_rows
+
+    @cute.jit
+    def row_valid(self, src, idx):
+        """Whether a tile's index names a row: in [0, rows of the cache) (with an extra cache ``load_indices``
+        has checked each against its own cache and left -1 for the rest)."""
+        ok = idx >= 0
+        if cutlass.const_expr(src.extra is None):
+            ok = (idx >= 0) & (idx < src.num_rows)
+        return ok
 
     @cute.jit
     def prefetch_rows(self, src, idx_regs):
@@ -500,11 +564,22 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         row (lanes 6 and 7 its last byte's line, which a row not aligned to 128 bytes reaches)."""
         for r in cutlass.range_constexpr(self.rounds):
             idx = idx_regs[r]
-            if (idx >= 0) & (idx < src.num_rows):
-                blk_id = idx // src.page
-                row = src.mCache[blk_id, idx - blk_id * src.page, None]
+            if self.row_valid(src, idx):
                 word = cutlass.min(src.lane * (128 // 4), self.rows.row_words - 1)
-                cute.arch.prefetch((row.iterator + word).llvm_ptr, cache_level="L2")
+                if cutlass.const_expr(src.extra is None):
+                    blk_id = idx // src.page
+                    row = src.mCache[blk_id, idx - blk_id * src.page, None]
+                    cute.arch.prefetch((row.iterator + word).llvm_ptr, cache_level="L2")
+                else:
+                    if idx < src.num_rows:
+                        blk_id = idx // src.page
+                        row = src.mCache[blk_id, idx - blk_id * src.page, None]
+                        cute.arch.prefetch((row.iterator + word).llvm_ptr, cache_level="L2")
+                    else:
+                        e = idx - src.num_rows
+                        blk_id = e // src.extra.page
+                        row = src.extra.mCache[blk_id, e - blk_id * src.extra.page, None]
+                        cute.arch.prefetch((row.iterator + word).llvm_ptr, cache_level="L2")
 
     @cute.jit
     def load_row(self, gather, k, src, idx, ok):
@@ -517,8 +592,17 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 raw[w, j, k] = 0
         if ok:
             gather.valid[k] = 1
-            blk_id = idx // src.page
-            self.rows.load(raw, k, src, blk_id, idx - blk_id * src.page)
+            if cutlass.const_expr(src.extra is None):
+                blk_id = idx // src.page
+                self.rows.load(raw, k, src, blk_id, idx - blk_id * src.page)
+            else:
+                if idx < src.num_rows:
+                    blk_id = idx // src.page
+                    self.rows.load(raw, k, src, blk_id, idx - blk_id * src.page)
+                else:
+                    e = idx - src.num_rows
+                    blk_id = e // src.extra.page
+                    self.rows.load(raw, k, src.extra, blk_id, e - blk_id * src.extra.page)
 
     @cute.jit
     def hand_over(self, stores, stage, full_bar, warp, lane_w, first, skip: cutlass.Constexpr = 0):
@@ -578,7 +662,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def lead(self, v, sScale, sSum, sBias, q_full, q_conv, staged, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx,
+    def lead(self, v, sScale, sSum, sBias, q_full, q_conv, staged, kv_pipe, lengths, outs, scale_log2, s_idx,
              head_tile, work, rank):
         """The leader (``leader_follower.py``): S, softmax and O_L of every tile, P for the follower; the
         only reader of Q, which arrives on ``q_full`` once a request (``follow`` loads it)."""
@@ -589,9 +673,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         seen[0] = 0
         q_phase = cute.make_rmem_tensor((1,), cutlass.Int32)
         q_phase[0] = 0
-        lens = topk_lengths_ahead(mTopkLen, work)
+        lens = lengths.ahead(work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            first, last = next_request(lens, mTopkLen, work, req, topk)
+            first, last = lengths.next(lens, work, req)
             splits = load_splits(outs, req)
             self.start_rows(v, rows)
             cute.arch.mbarrier_wait(q_full, q_phase[0])
@@ -617,7 +701,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         self.exit_arrive_if_idle(work)
 
     @cute.jit
-    def follow(self, v, sScale, sSum, q_load, staged, kv_pipe, mTopkLen, topk, outs, scale_log2, s_idx,
+    def follow(self, v, sScale, sSum, q_load, staged, kv_pipe, lengths, outs, scale_log2, s_idx,
                head_tile, work, rank):
         """The follower: O_R of every tile from the leader's P.  Its first warp also loads the leader's Q:
         the first request's at the start, each next one's once the follower's threads have copied the
@@ -628,9 +712,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             if work.begin_req <= work.end_req:
                 q_load.copy(work.begin_req, self.q_bytes)
         bars = self.lf_barriers()
-        lens = topk_lengths_ahead(mTopkLen, work)
+        lens = lengths.ahead(work)
         for req in cutlass.range(work.begin_req, work.end_req + 1, unroll=1):
-            first, last = next_request(lens, mTopkLen, work, req, topk)
+            first, last = lengths.next(lens, work, req)
             splits = load_splits(outs, req)
             self.start_rows(v, rows)
             for blk in cutlass.range(first, last, unroll=1):
@@ -798,14 +882,28 @@ class RowSource:
     mCache: Any  # [num_blocks, page, row words] int32
     scales: Any  # V4's scale rows [num_blocks, page, 2] int32, else None
     mIndices: Any
-    mTopkLen: Any
-    topk: Any
+    lengths: Any  # ``RequestLengths``
     s_idx: Any
     row0: Any
     lane: Any
     page: Any
-    num_rows: Any  # num_blocks x page: an index at or past it is out of range
+    num_rows: Any  # num_blocks x page: an index at or past it is out of range (the extra cache's rows follow)
     work: Any
+    extra: Any = None  # ``ExtraRows``, or None
+
+
+@dataclasses.dataclass
+class ExtraRows:
+    """The extra cache (same format as the main one, its own page size and blocks): its rows, scales (V4),
+    this token's indices and its row count; ``lane`` as the main source's.  Its row ``e`` is id
+    ``num_rows + e`` in a tile's indices (``num_rows``: the main cache's)."""
+
+    mCache: Any
+    scales: Any
+    mIndices: Any
+    page: Any
+    num_rows: Any
+    lane: Any = None
 
 
 @dataclasses.dataclass
@@ -880,66 +978,6 @@ class StageStores:
         else:
             bulk_copy_to_peer(self.bias_base + cute.assume(stage * BLOCK_N + row, divby=8), full_bar, rows * 4,
                               1 - self.rank)
-
-
-@cute.jit
-def topk_lengths_ahead(mTopkLen, work):
-    """``lengths_ahead`` over ``topk_length``; without one (None) every length is topk, known without a
-    load: the registers are only written by ``next_request``."""
-    if cutlass.const_expr(mTopkLen is None):
-        return cute.make_rmem_tensor((2,), cutlass.Int32)
-    return lengths_ahead(mTopkLen, work)
-
-
-@cute.jit
-def next_request(lens, mTopkLen, work, req, topk):
-    """Tiles [first, last) of request ``req`` (at least one, so a request with nothing to attend still
-    writes its rows), from the length loaded a request ago (``topk_lengths_ahead``); starts loading
-    request ``req + 1``'s.  Leaves the length in ``lens[0]``."""
-    if cutlass.const_expr(mTopkLen is None):
-        lens[0] = topk
-        length = topk
-    else:
-        length = advance_lengths(lens, mTopkLen, work, req)
-    return work.blocks(req, cutlass.max(cutlass.min(length, topk), 1))
-
-
-@dataclasses.dataclass
-class TileCursor:
-    """A position in the part's tiles taken in order across its requests: ``pos`` = (request, tile, the
-    request's end tile, its length clamped to topk; 0 past the part's last tile)."""
-
-    pos: Any
-    lens: Any  # the lengths a request ahead (``topk_lengths_ahead``), the cursor's own
-
-    @staticmethod
-    @cute.jit
-    def start(work, mTopkLen, topk) -> "TileCursor":
-        """At the part's first tile (for an idle part: past its last, length 0)."""
-        pos = cute.make_rmem_tensor((4,), cutlass.Int32)
-        lens = topk_lengths_ahead(mTopkLen, work)
-        first, last = next_request(lens, mTopkLen, work, work.begin_req, topk)
-        pos[0] = work.begin_req
-        pos[1] = first
-        pos[2] = last
-        pos[3] = cutlass.min(lens[0], topk)
-        if work.begin_req > work.end_req:
-            pos[3] = 0
-        return TileCursor(pos, lens)
-
-    @cute.jit
-    def advance(self, work, mTopkLen, topk):
-        """To the next tile: the next of this request, or the first of the next request."""
-        pos = self.pos
-        pos[1] = pos[1] + 1
-        if pos[1] >= pos[2]:
-            pos[0] = pos[0] + 1
-            first, last = next_request(self.lens, mTopkLen, work, pos[0], topk)
-            pos[1] = first
-            pos[2] = last
-            pos[3] = cutlass.min(self.lens[0], topk)
-            if pos[0] > work.end_req:
-                pos[3] = 0
 
 
 def set_registers(count: int, launch: int) -> None:

@@ -16,9 +16,9 @@ class SparseDecodeStep:
 
     @cute.jit
     def __call__(
-        self, mQ, mCache, mIndices, mTopkLen, mSched, mNumSplits, mOut, mLse, mOAccum, mLseAccum, mSink,
-        mMaxLogits, scale_log2: cutlass.Float32, stream,
+        self, mQ, mCache, mIndices, mTopkLen, mExtraCache, mExtraIndices, mExtraLen, mSched, mNumSplits, mOut, mLse,
+        mOAccum, mLseAccum, mSink, mMaxLogits, scale_log2: cutlass.Float32, stream,
     ):
-        self.split(mQ, mCache, mIndices, mTopkLen, mSched, mNumSplits, mOut, mLse, mOAccum, mLseAccum, mSink,
-                   mMaxLogits, scale_log2, stream)
+        self.split(mQ, mCache, mIndices, mTopkLen, mExtraCache, mExtraIndices, mExtraLen, mSched, mNumSplits, mOut,
+                   mLse, mOAccum, mLseAccum, mSink, mMaxLogits, scale_log2, stream)
         self.combine(mNumSplits, mOAccum, mLseAccum, mOut, mLse, mSink, stream)

@@ -99,6 +99,10 @@ class FlashMLASchedMeta:
     _lengths_ref: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
     _lengths_key: Optional[tuple] = dataclasses.field(default=None, repr=False)
     _lengths_copy: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
+    # The same for sparse decode's extra_topk_length.
+    _extra_lengths_ref: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
+    _extra_lengths_key: Optional[tuple] = dataclasses.field(default=None, repr=False)
+    _extra_lengths_copy: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
     # Backend-private state (workspaces, launch plans), keyed by the backend.
     _state: dict = dataclasses.field(default_factory=dict, repr=False)
     # The dense cute plan once a call has passed every check; later calls with the same
@@ -124,8 +128,10 @@ def _lengths_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape), t.device)
 
 
-def _check_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, lengths: Optional[torch.Tensor]) -> bool:
-    """Check a reused metadata object against this call.  Returns True when it is still empty."""
+def _check_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, lengths: Optional[torch.Tensor],
+                    extra_lengths: Optional[torch.Tensor] = None) -> bool:
+    """Check a reused metadata object against this call (``extra_lengths``: sparse decode's extra_topk_length).
+    Returns True when it is still empty."""
     if not isinstance(meta, FlashMLASchedMeta):
         raise TypeError(
             f"tile_scheduler_metadata must be a FlashMLASchedMeta (from get_mla_metadata()), got {type(meta).__name__}"
@@ -142,32 +148,43 @@ def _check_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, l
             "tile_scheduler_metadata was computed for another configuration (" + ", ".join(diffs) + "); "
             "call get_mla_metadata() again for a new configuration"
         )
-    if (lengths is None) != (meta._lengths_copy is None):
-        # Sparse decode only (dense always has cache_seqlens): the plan was made for the lengths
-        # given, or for topk tokens each.
-        raise ValueError(
-            "topk_length must be given on every call with this tile_scheduler_metadata or on none "
-            f"(first call: {'given' if meta._lengths_copy is not None else 'None'})"
-        )
-    if lengths is not None and (lengths is not meta._lengths_ref or _lengths_key(lengths) != meta._lengths_key):
-        capturing = lengths.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing and not torch.equal(lengths, meta._lengths_copy):
-            raise ValueError(
-                "tile_scheduler_metadata was computed for other cache_seqlens/topk_length values; "
-                "call get_mla_metadata() again when the lengths change"
-            )
-        meta._lengths_ref, meta._lengths_key = lengths, _lengths_key(lengths)
+    _check_lengths(meta, lengths, "topk_length", "_lengths", "cache_seqlens/topk_length")
+    _check_lengths(meta, extra_lengths, "extra_topk_length", "_extra_lengths", "extra_topk_length")
     return False
 
 
-def _bind_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, lengths: Optional[torch.Tensor]) -> None:
+def _check_lengths(meta: FlashMLASchedMeta, lengths: Optional[torch.Tensor], name: str, attr: str, what: str) -> None:
+    """A reused metadata object's lengths (``attr``: its fields' prefix): given now as on the first call, with
+    the same values (read only when the tensor is another one, or written since)."""
+    ref, key, copy = (getattr(meta, attr + suffix) for suffix in ("_ref", "_key", "_copy"))
+    if (lengths is None) != (copy is None):
+        # Sparse decode only (dense always has cache_seqlens): the plan was made for the lengths
+        # given, or for topk tokens each.
+        raise ValueError(
+            f"{name} must be given on every call with this tile_scheduler_metadata or on none "
+            f"(first call: {'given' if copy is not None else 'None'})"
+        )
+    if lengths is not None and (lengths is not ref or _lengths_key(lengths) != key):
+        capturing = lengths.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and not torch.equal(lengths, copy):
+            raise ValueError(
+                f"tile_scheduler_metadata was computed for other {what} values; "
+                "call get_mla_metadata() again when the lengths change"
+            )
+        setattr(meta, attr + "_ref", lengths)
+        setattr(meta, attr + "_key", _lengths_key(lengths))
+
+
+def _bind_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, lengths: Optional[torch.Tensor],
+                   extra_lengths: Optional[torch.Tensor] = None) -> None:
     """Record what an empty metadata object is computed for (after the call's checks passed)."""
     meta.config = config
     meta.have_initialized = True
-    if lengths is not None:
-        meta._lengths_ref = lengths
-        meta._lengths_key = _lengths_key(lengths)
-        meta._lengths_copy = lengths.clone()
+    for attr, given in (("_lengths", lengths), ("_extra_lengths", extra_lengths)):
+        if given is not None:
+            setattr(meta, attr + "_ref", given)
+            setattr(meta, attr + "_key", _lengths_key(given))
+            setattr(meta, attr + "_copy", given.clone())
 
 
 @contextlib.contextmanager
@@ -235,7 +252,8 @@ def flash_mla_with_kvcache(
             the bytes per token name it (528: V41).  Both backends read every one.
         extra_k_cache / extra_indices_in_kvcache / extra_topk_length: a second quantized cache (its own page
             size and blocks; V41_FP4 beside V41, else k_cache's format) whose indices join the same softmax: out
-            and lse over the union of both index sets.  Reference backend only so far.
+            and lse over the union of both index sets.  The cute kernel reads an extra cache of k_cache's
+            format (V41_FP4: the reference backend only).
         backend: ``"cute"`` or ``"reference"`` (keyword only; default by device, or the
             ``MLA_CUTE_BACKEND`` environment variable).
         schedule: a ``mla_cute.schedules.DenseDecodeSchedule`` for the dense cute kernel
@@ -320,17 +338,18 @@ def flash_mla_with_kvcache(
     kind = select_backend(q.device, backend)
     sched = _resolve_schedule(schedule, SparseDecodeSchedule)
     if kind == "cute":
-        if given:
-            raise NotImplementedError("extra_k_cache: the 'cute' sparse kernel reads one cache so far "
-                                      "(backend='reference' runs two)")
         cute.check_sparse_supported(k_cache, fmt)
+        if given:
+            cute.check_extra_cache_supported(k_cache, extra_k_cache, fmt, extra_fmt)
     config = FlashMLASchedMeta.Config(
         q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
         False, True, indices.shape[-1], kv_format=fmt,
+        extra_page_block_size=extra_k_cache.shape[1] if given else None,
+        extra_topk=extra_indices_in_kvcache.shape[-1] if given else None,
     )
-    first = _check_metadata(tile_scheduler_metadata, config, topk_length)
+    first = _check_metadata(tile_scheduler_metadata, config, topk_length, extra_topk_length)
     if first:
-        _bind_metadata(tile_scheduler_metadata, config, topk_length)
+        _bind_metadata(tile_scheduler_metadata, config, topk_length, extra_topk_length)
     with _unbind_on_error(tile_scheduler_metadata, first):
         if kind == "reference":
             if first:
@@ -338,9 +357,13 @@ def flash_mla_with_kvcache(
             extra = (extra_k_cache, extra_fmt, extra_indices_in_kvcache, extra_topk_length) if given else None
             return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v,
                                                fmt, extra)
+        extra = (extra_k_cache, extra_indices_in_kvcache, extra_topk_length) if given else None
         out, lse = cute.sparse_decode(
             q, k_cache, indices, topk_length, attn_sink, softmax_scale, tile_scheduler_metadata, first, sched, fmt,
+            extra,
         )
+        if given:  # no replay for two caches: every call takes the checked path
+            return out, lse
     tile_scheduler_metadata._replay = cute.replay_sparse_plan(
         tile_scheduler_metadata, q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
         causal, is_fp8_kvcache, kv_format)

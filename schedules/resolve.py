@@ -184,14 +184,18 @@ def dense_precompile_steps(schedule: DenseDecodeSchedule, *, dtype: str, s_q: in
 
 def resolve_sparse(schedule: SparseDecodeSchedule, *, b: int, s_q: int, h_q: int, topk: int, has_sink: bool,
                    has_topk_length: bool, device: DeviceFacts = HOPPER, capturing: bool = False,
-                   kv_format: str = "V32") -> SparseCall:
+                   kv_format: str = "V32", extra_cache: bool = False) -> SparseCall:
     """The sparse call's kernels and plan.  Rules: the crossover where the 64-head tiles pair; a small plan
     (``small_plan_tiles``, from the shapes) takes the small fixed cost and 16-bit partials and leaves the
     producer whole, other plans split the crossover's producer in halves; the combine is left out when every
-    request has ``topk`` tokens (no ``topk_length``), the plan splits none and no CUDA graph is being captured."""
+    request has ``topk`` tokens (no ``topk_length``), the plan splits none and no CUDA graph is being captured.
+    ``kv_format``: the cache's format; ``extra_cache``: a second cache of that format (``topk`` then counts both
+    caches' tiles, and the kernel reads lengths: ``has_topk_length`` must be set)."""
+    if extra_cache and not has_topk_length:
+        raise ValueError("extra_cache: the kernel reads both caches' lengths; pass has_topk_length=True")
     parts = schedule.num_sm_parts or sparse_num_sm_parts_for(device.num_sms, s_q, h_q)
     split, combine, sched = _sparse_kernels(schedule, s_q, h_q, has_sink, has_topk_length,
-                                            schedule.small_plan(b, topk, parts), kv_format)
+                                            schedule.small_plan(b, topk, parts), kv_format, extra_cache)
     capture = SparseStepConfig(split, combine, True)
     step = capture
     if not has_topk_length and not capturing and not _topk_plan_has_split(b, topk, parts, sched.policy()):
@@ -200,25 +204,29 @@ def resolve_sparse(schedule: SparseDecodeSchedule, *, b: int, s_q: int, h_q: int
 
 
 def _sparse_kernels(schedule: SparseDecodeSchedule, s_q: int, h_q: int, has_sink: bool, has_topk_length: bool,
-                    small: bool, kv_format: str) -> tuple[SparseSplitConfig, CombineConfig, SchedulerConfig]:
+                    small: bool, kv_format: str, extra_cache: bool = False
+                    ) -> tuple[SparseSplitConfig, CombineConfig, SchedulerConfig]:
     """The split kernel's, the combine's and the scheduler's configs of a small plan or another: the crossover
     where the 64-head tiles pair (with producer halves unless small), 16-bit partials and the small fixed cost
     for small plans; the cache format is the kernel's."""
     crossover = -(-h_q // 64) % 2 == 0
     split = SparseSplitConfig(s_q, h_q, has_sink, has_topk_length, crossover,
-                              producer_halves=crossover and not small, partials_16bit=small, kv_format=kv_format)
+                              producer_halves=crossover and not small, partials_16bit=small, kv_format=kv_format,
+                              extra_cache=extra_cache)
     combine = CombineConfig("bfloat16", h_q, s_q, has_sink, schedule.combine_chunked_batch,
                             schedule.combine_spread_partials)
     return split, combine, SchedulerConfig(*schedule.plan_policy(s_q * h_q, small))
 
 
 def sparse_precompile_steps(schedule: SparseDecodeSchedule, *, s_q: int, h_q: int, has_sink: bool,
-                            has_topk_length: bool, kv_format: str = "V32") -> list:
+                            has_topk_length: bool, kv_format: str = "V32", extra_cache: bool = False) -> list:
     """Every (step, scheduler) a sparse call of this shape can resolve to: small plans and others, with the
-    combine and, without ``topk_length``, without it."""
+    combine and, without ``topk_length`` (nor an extra cache, whose kernel reads lengths), without it."""
     out = []
+    has_topk_length = has_topk_length or extra_cache
     for small in ((False, True) if schedule.small_plan_tiles else (False,)):
-        split, combine, sched = _sparse_kernels(schedule, s_q, h_q, has_sink, has_topk_length, small, kv_format)
+        split, combine, sched = _sparse_kernels(schedule, s_q, h_q, has_sink, has_topk_length, small, kv_format,
+                                                extra_cache)
         for with_combine in ((True,) if has_topk_length else (True, False)):
             out.append((SparseStepConfig(split, combine, with_combine), sched))
     return out

@@ -3,7 +3,7 @@
     python tests/shards.py N LOGDIR [--stop-after SECONDS] [--skip-passed OLDLOGDIR] [pytest arguments, e.g. -m gpu tests/]
 
 Collects the test ids, groups those that build the same kernels (the dense grid's cases by s_q, h_q, h_kv
-and causal, the prefill grids' by d_qk (the FP8 cache's: 576), h_q and options, the format grid's by format, s_q and h_q; any other test by its function), deals the groups
+and causal, the prefill grids' by d_qk (the FP8 cache's: 576), h_q and options, the format grid's by format, s_q and h_q, the extra-cache tests' case by case; any other test by its function), deals the groups
 to N processes, largest first, runs them at once and prints each process's summary; exits non-zero when any process fails.  Logs go to LOGDIR.
 ``--skip-passed``: leave out the tests an earlier run's logs (OLDLOGDIR) report as passed.  ``--stop-after``:
 interrupt the processes still running after SECONDS (as Ctrl-C would), so each still writes pytest's summary, with
@@ -24,6 +24,7 @@ GRID = re.compile(r"test_dense_grid\[(\d+)-(\d+)-(\d+)-(\d+)-(\d+)-(\w+)-(\w+)\]
 PREFILL_GRID = re.compile(r"test_prefill_grid\[(\d+)-(\d+)-\d+-\d+-\d+-([\w+]+)\]")
 FP8_PREFILL_GRID = re.compile(r"test_prefill_fp8_grid\[(\d+)-\d+-\d+-\d+-([\w+]+)\]")
 FORMAT_GRID = re.compile(r"test_format_grid\[(\w+)-\d+-(\d+)-(\d+)-")
+EXTRA_CACHE = re.compile(r"test_extra_cache_\w+\[[^\]]+\]")
 
 
 def group_of(test_id: str) -> str:
@@ -43,6 +44,9 @@ def group_of(test_id: str) -> str:
     if m:
         fmt, s_q, h_q = m.groups()
         return f"format grid {fmt} s_q={s_q} h_q={h_q}"
+    m = EXTRA_CACHE.search(test_id)
+    if m:
+        return m.group(0)
     return test_id.split("[")[0]
 
 

@@ -77,7 +77,7 @@ def _dense_step(dtype: str, s_q: int, h_q: int, h_kv: int, causal: bool, *, with
 
 
 def _sparse_step(s_q: int, h_q: int, has_sink: bool = False, *, has_topk_length: bool = False,
-                 with_combine: bool = False, kv_format: str = "V32", **split):
+                 with_combine: bool = False, kv_format: str = "V32", extra_cache: bool = False, **split):
     """The sparse step the resolver makes for this shape on a plan that is not small, its split config's fields
     ``split`` replaced (the crossover, its producer halves and 16-bit partials are chosen per shape and plan)."""
     import dataclasses
@@ -86,7 +86,8 @@ def _sparse_step(s_q: int, h_q: int, has_sink: bool = False, *, has_topk_length:
 
     # 4096 requests of 2048 tokens: far more tiles a part than a small plan has.
     step = resolve_sparse(DEFAULT_SPARSE_SCHEDULE, b=4096, s_q=s_q, h_q=h_q, topk=2048, has_sink=has_sink,
-                          has_topk_length=has_topk_length, capturing=True, kv_format=kv_format).capture_step
+                          has_topk_length=has_topk_length or extra_cache, capturing=True, kv_format=kv_format,
+                          extra_cache=extra_cache).capture_step
     return dataclasses.replace(step, split=dataclasses.replace(step.split, **split), with_combine=with_combine)
 
 
@@ -373,6 +374,26 @@ def test_sparse_decode_reads_each_cache_format_without_spills(fmt, s_q, h_q, cro
     _assert_wgmma_not_serialized(err)
     spills, regs = _ptxas_report(err)
     assert spills and all(s == (0, 0, 0) for s in spills), f"stack frame / spills: {spills}"
+    _check_register_split(ptx, regs)
+
+
+@pytest.mark.parametrize("fmt,h_q,crossover,halves,max_spill", [("V4", 128, True, True, 0), ("V32", 128, True, False, 0),
+                                                               ("V32", 64, False, False, 0), ("V4", 64, False, False, 64)])
+def test_sparse_decode_over_two_caches_compiles(fmt, h_q, crossover, halves, max_spill, capfd):
+    """The kernel over an extra cache: its rows and indices are loaded beside the main cache's (two index
+    streams, rows from both caches); the d_qk-512 formats' whole-tile gather spills a little (at most
+    ``max_spill`` bytes), the rest none."""
+    from mla_cute.kernels.build import compile_sparse
+
+    step = _sparse_step(2, h_q, True, extra_cache=True, crossover=crossover, producer_halves=halves)
+    assert step.split.extra_cache and step.split.has_topk_length
+    step = dataclasses.replace(step, split=dataclasses.replace(step.split, kv_format=fmt))
+    ptx = compile_sparse(step, options=OPTIONS).__ptx__
+    assert ptx.count("ld.global.v4.b32") >= 20 and "cvt.rn.f16x2.e4m3x2" in ptx
+    err = capfd.readouterr().err
+    _assert_wgmma_not_serialized(err)
+    spills, regs = _ptxas_report(err)
+    assert spills and all(s[1] <= max_spill and s[2] <= max_spill for s in spills), f"spills: {spills}"
     _check_register_split(ptx, regs)
 
 

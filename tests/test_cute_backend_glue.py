@@ -217,8 +217,10 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     assert config == SchedulerConfig(*sched.plan_policy(2 * 128)) == SchedulerConfig(2, 0, 0)
     assert sched_shape == (7, 8) and splits_shape == (4,)
     assert lengths.tolist() == [1, 70, 128]  # clamped to [1, topk] for the planner
-    (qq, cache, idx, tl, records, splits, o, l, o_acc, lse_acc, sk, top, scale) = sparse_recorder["steps"][0]
+    (qq, cache, idx, tl, x_cache, x_idx, x_len, records, splits, o, l, o_acc, lse_acc, sk, top,
+     scale) = sparse_recorder["steps"][0]
     assert top is None  # decode writes no max_logits
+    assert x_cache is None and x_idx is None and x_len is None  # one cache
     assert cache.dtype == torch.int32 and cache.shape == (4, 64, 164)  # 656-byte rows as words
     assert tl is topk_length and sk is not None and math.isclose(scale, 0.25 * math.log2(math.e))
     assert o_acc.shape == (3 + 7, 1, 2 * 128, 512) and lse_acc.shape == (3 + 7, 1, 2 * 128)
@@ -234,6 +236,38 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     assert sparse_recorder["scheduler"][1][1].tolist() == [128, 128, 128]  # the planner's lengths
     with pytest.raises(ValueError, match="attn_sink"):
         cute.sparse_decode(q, k_cache, indices, None, sink, 0.25, meta, False, sched)
+
+
+def test_sparse_extra_cache_arguments_handed_to_the_step(sparse_recorder):
+    """Two caches: the kernel built for them reads both caches' lengths (the topk ones where a call gives none);
+    the planner plans over each request's main tiles and extra tokens, 64 ceil(m / 64) + e."""
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.fp8 import quantize_kv_cache
+    from mla_cute.schedules import SparseDecodeSchedule
+
+    sched = SparseDecodeSchedule(num_sm_parts=7, small_plan_tiles=0)
+    q, k_cache, indices = _sparse_inputs()
+    extra_cache = quantize_kv_cache(torch.randn(3, 32, 1, 576).to(torch.bfloat16))
+    extra_idx = torch.randint(-1, 96, (3, 2, 40), dtype=torch.int32)
+    extra_len = torch.tensor([40, 0, 7], dtype=torch.int32)
+    topk_length = torch.tensor([0, 70, 500], dtype=torch.int32)
+    meta = get_mla_metadata()[0]
+    cute.sparse_decode(q, k_cache, indices, topk_length, None, 0.25, meta, True, sched, "V32",
+                       (extra_cache, extra_idx, extra_len))
+    split = sparse_recorder["compiled"][0].split
+    assert split.extra_cache and split.has_topk_length and sparse_recorder["compiled"][0].with_combine
+    # Main 0 / 70 / 128 (topk) tokens: 0 / 2 / 2 tiles, then 40 / 0 / 7 extra tokens.
+    assert sparse_recorder["scheduler"][0][1].tolist() == [40, 128 + 0, 128 + 7]
+    step = sparse_recorder["steps"][0]
+    assert step[3] is topk_length and step[6] is extra_len and step[5] is extra_idx
+    assert step[4].dtype == torch.int32 and step[4].shape == (3, 32, 164)
+    # Neither length given: the full ones, made once with the plan.
+    meta = get_mla_metadata()[0]
+    cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True, sched, "V32", (extra_cache, extra_idx, None))
+    assert sparse_recorder["scheduler"][1][1].tolist() == [128 + 40] * 3
+    step = sparse_recorder["steps"][1]
+    assert step[3].tolist() == [128] * 3 and step[6].tolist() == [40] * 3
 
 
 @pytest.mark.parametrize("lengths,parts,slack,combine", [
@@ -660,7 +694,8 @@ def test_prefill_from_the_fp8_cache_hands_the_decode_kernel_whole_tokens(sparse_
     assert out.shape == (s_q, h_q, 512) and max_logits.shape == lse.shape == (s_q, h_q)
     (step,) = sparse_recorder["compiled"]
     assert step.split.max_logits and not step.with_combine and sparse_recorder["scheduler"] == []
-    (qq, cache, idx, tl, records, splits, o, l, _, _, sk, top, scale) = sparse_recorder["steps"][0]
+    (qq, cache, idx, tl, *extra, records, splits, o, l, _, _, sk, top, scale) = sparse_recorder["steps"][0]
+    assert extra == [None, None, None]
     assert qq.shape == (s_q, 1, h_q, 576) and torch.equal(qq[:, 0], q)
     assert cache.dtype == torch.int32 and cache.shape == (3, 64, 164)
     assert idx is indices and tl.tolist() == lengths.tolist() and sk is None
@@ -888,11 +923,11 @@ def test_sparse_replay_skips_the_checks_of_an_identical_call(sparse_api_on_cute,
     out, lse = _sparse_call(q2, k_cache, indices2, meta, softmax_scale=0.25, **kw)
     assert sparse_api_on_cute["checks"] == 1, "the second call replays"
     first, second = sparse_api_on_cute["steps"]
-    assert second[0] is q2 and second[2] is indices2 and second[6] is out and second[7] is lse
-    assert all(a is b for a, b in zip(first[3:6] + first[8:10], second[3:6] + second[8:10]))
+    assert second[0] is q2 and second[2] is indices2 and second[9] is out and second[10] is lse
+    assert all(a is b for a, b in zip(first[3:9] + first[11:13], second[3:9] + second[11:13]))
     assert torch.equal(first[1], second[1]) and second[1].dtype == torch.int32
-    assert math.isclose(second[12], 0.25 * math.log2(math.e), rel_tol=1e-12) and second[11] is None
-    assert (second[10] is kw["attn_sink"]) if with_lengths_and_sink else second[10] is None
+    assert math.isclose(second[15], 0.25 * math.log2(math.e), rel_tol=1e-12) and second[14] is None
+    assert (second[13] is kw["attn_sink"]) if with_lengths_and_sink else second[13] is None
 
 
 def _sparse_changes(q, k_cache, indices):

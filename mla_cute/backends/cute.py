@@ -223,6 +223,20 @@ def check_sparse_supported(k_cache: torch.Tensor, kv_format: str = "V32", name: 
                                   f"got block stride {k_cache.stride(0)}{pad}")
 
 
+def check_extra_cache_supported(k_cache: torch.Tensor, extra_k_cache: torch.Tensor, kv_format: str,
+                                extra_format: str) -> None:
+    """The sparse kernel reads an extra cache of the main cache's format, laid out as it needs (see
+    ``check_sparse_supported``), its rows numbered after the main cache's in 32 bits."""
+    if extra_format != kv_format:
+        raise NotImplementedError(f"extra_k_cache: the 'cute' sparse kernel reads an extra cache of k_cache's format "
+                                  f"({kv_format}), got {extra_format} (backend='reference' reads it)")
+    check_sparse_supported(extra_k_cache, kv_format, "extra_k_cache")
+    rows = k_cache.shape[0] * k_cache.shape[1] + extra_k_cache.shape[0] * extra_k_cache.shape[1]
+    if rows >= 2**31:
+        raise NotImplementedError(f"k_cache and extra_k_cache: the 'cute' sparse kernel numbers both caches' tokens "
+                                  f"in 32 bits, got {rows} tokens")
+
+
 def cache_words(k_cache: torch.Tensor, kv_format: str) -> torch.Tensor:
     """The kernel's view of the cache: [num_blocks, page, row words] int32, a token's row (V4: its 576-byte data
     row at 576 t of the page; the kernel finds the scale rows after the page's data rows)."""
@@ -236,59 +250,84 @@ def cache_words(k_cache: torch.Tensor, kv_format: str) -> torch.Tensor:
 
 class SparsePlan:
     """What a metadata object holds for the sparse cute kernel: the compiled step and the workspace.
-    ``schedule`` is the call's, ``config`` the ``SparseCall`` resolved for it."""
+    ``schedule`` is the call's, ``config`` the ``SparseCall`` resolved for it; with an extra cache ``full``
+    holds the lengths the kernel reads for a cache whose lengths the call leaves out (its topk each)."""
 
     __slots__ = ("schedule", "config", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype", "facts",
-                 "kv_format")
+                 "kv_format", "full")
 
     def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta,
-                 kv_format: str = "V32"):
+                 kv_format: str = "V32", extra=None):
         from ..kernels.build import compile_sparse
 
         b, s_q, h_q, _ = q.shape
         self.schedule, self.b, self.s_q, self.h_q, self.has_sink, self.dtype = schedule, b, s_q, h_q, has_sink, q.dtype
-        self.facts, self.kv_format = None, kv_format
+        self.facts, self.kv_format, self.full = None, kv_format, None
         # Without topk_length every request has topk tokens: the kernel is built for that and loads no length
         # (the first call's choice holds for the metadata's later calls, as for attn_sink).  The step with the
-        # combine is loaded in any case, for a CUDA graph captured later.
+        # combine is loaded in any case, for a CUDA graph captured later.  With an extra cache a request's
+        # length is its main tokens' whole tiles and its extra tokens (``kernels/sparse_tiles.py``).
         given = topk_length is not None
+        if extra is None:
+            total = topk
+            lengths = topk_length if given else torch.full((b,), topk, dtype=torch.int32, device=q.device)
+        else:
+            extra_topk = extra[1].shape[-1]
+            total = -(-topk // 64) * 64 + extra_topk
+            self.full = (torch.full((b,), topk, dtype=torch.int32, device=q.device),
+                         torch.full((b,), extra_topk, dtype=torch.int32, device=q.device))
+            main, more = self.lengths(topk_length, extra[2])
+            lengths = (main.clamp(0, topk) + 63) // 64 * 64 + more.clamp(0, extra_topk)
         call = self.config = resolve_sparse(
-            schedule, b=b, s_q=s_q, h_q=h_q, topk=topk, has_sink=has_sink, has_topk_length=given,
+            schedule, b=b, s_q=s_q, h_q=h_q, topk=total, has_sink=has_sink, has_topk_length=given or extra is not None,
             device=device_facts(q.device), capturing=q.is_cuda and torch.cuda.is_current_stream_capturing(),
-            kv_format=kv_format)
+            kv_format=kv_format, extra_cache=extra is not None)
         self.step = compile_sparse(call.capture_step)
         if call.step != call.capture_step:
             self.step = compile_sparse(call.step)
-        lengths = (topk_length if given else torch.full((b,), topk, dtype=torch.int32, device=q.device)).clamp(1, topk)
         partials = q.dtype if call.step.split.partials_16bit else torch.float32
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, lengths, topk, call.parts, call.scheduler, b, 1, s_q * h_q, q.device, partials)
+            meta, lengths.clamp(1, total), total, call.parts, call.scheduler, b, 1, s_q * h_q, q.device, partials)
+
+    def lengths(self, topk_length, extra_topk_length):
+        """The two caches' lengths the extra-cache kernel reads (the full ones where the call gives none)."""
+        return (topk_length if topk_length is not None else self.full[0],
+                extra_topk_length if extra_topk_length is not None else self.full[1])
 
 
 def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
-                  schedule: SparseDecodeSchedule, kv_format: str = "V32"):
+                  schedule: SparseDecodeSchedule, kv_format: str = "V32", extra=None):
+    """``extra``: (extra_k_cache, extra_indices_in_kvcache, extra_topk_length), or None."""
     has_sink = attn_sink is not None
     plan = _reused_plan(meta, "sparse", first, schedule)
     if plan is None:
         plan = meta._state["sparse"] = SparsePlan(q, indices.shape[-1], topk_length, has_sink, schedule, meta,
-                                                  kv_format)
+                                                  kv_format, extra)
     elif plan.has_sink != has_sink:
         raise ValueError(
             "attn_sink must be given on every call with this tile_scheduler_metadata or on none "
             f"(first call: {'given' if plan.has_sink else 'None'})"
         )
-    return launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta)
+    return launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, extra)
 
 
-def launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta):
+def launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, extra=None):
     """Allocate the outputs and run the compiled sparse step once (``sparse_decode``, and the replay of a
     call ``replay_sparse_plan`` vouched for)."""
     out, lse = _outputs(plan, q.device)
+    two = (None, None, None)
+    if extra is not None:
+        extra_cache, extra_indices, extra_topk_length = extra
+        topk_length, extra_topk_length = plan.lengths(topk_length, extra_topk_length)
+        two = (cache_words(extra_cache, plan.kv_format),
+               extra_indices if extra_indices.stride(-1) == 1 else extra_indices.contiguous(),
+               extra_topk_length.contiguous())
     plan.step(
         q if _aligned(q) else _packed_copy(q),
         cache_words(k_cache, plan.kv_format),
         indices if indices.stride(-1) == 1 else indices.contiguous(),
-        topk_length,
+        topk_length.contiguous() if topk_length is not None else None,
+        *two,
         meta.tile_scheduler_metadata, meta.num_splits, out, lse, plan.o_accum, plan.lse_accum,
         attn_sink.contiguous() if attn_sink is not None else None,
         None,  # max_logits: decode has none
@@ -425,6 +464,7 @@ def sparse_prefill_fp8(q, k_cache, indices, sm_scale, attn_sink, topk_length):
         k_cache.view(torch.int32).select(2, 0),
         (indices if indices.stride(-1) == 1 else indices.contiguous()),
         topk_length.contiguous() if topk_length is not None else None,
+        None, None, None,  # no extra cache
         records, splits, out.unsqueeze(1), lse.unsqueeze(-1), o_accum, lse_accum,
         attn_sink.contiguous() if attn_sink is not None else None,
         max_logits.unsqueeze(-1),

@@ -1,0 +1,98 @@
+"""Sparse decode over two caches in one call (``extra_k_cache``: V4's sliding-window cache beside its compressed
+one), on the H200 against the reference: one softmax over both index sets, per format, with the extra cache's
+own page size and block count, lengths on either side (0 included), sinks, each kernel variant, a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_cases import assert_close_flashmla, make_sparse_case
+from test_sparse_decode_gpu import LSE_ABS, LSE_REL, OUT_ABS, OUT_COS, OUT_REL, WHOLE_TILE, run_and_check
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = ["V32", "V32_NO_ROPE", "V4", "V41"]
+
+
+def with_extra(case, *, nb=20, page=32, topk=128, lengths=None, invalid_frac=0.1, seed=0):
+    """``case`` (``make_sparse_case``'s) with an extra cache of its format: ``nb`` blocks of ``page`` tokens,
+    ``topk`` random indices a query (a fraction -1, some past the cache), ``extra_topk_length`` ``lengths``."""
+    from mla_cute.kv_formats import HEAD_DIM, quantize_kv_cache
+
+    fmt = case.get("kv_format", "V32")
+    gen = torch.Generator().manual_seed(seed)
+    rows = (torch.randn(nb, page, 1, HEAD_DIM[fmt], generator=gen) * 0.1).clamp(-1, 1).bfloat16()
+    b, s_q = case["indices"].shape[:2]
+    idx = torch.randint(0, nb * page, (b, s_q, topk), generator=gen, dtype=torch.int32)
+    idx[torch.rand(idx.shape, generator=gen) < invalid_frac] = -1
+    idx[torch.rand(idx.shape, generator=gen) < 0.05] = nb * page + 5  # past the extra cache: never read
+    case = dict(case, extra_k_cache=quantize_kv_cache(rows.cuda(), fmt),
+                extra_indices_in_kvcache=idx.cuda())
+    if lengths is not None:
+        case["extra_topk_length"] = torch.as_tensor(lengths, dtype=torch.int32).cuda()
+    return case
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_extra_cache_per_format(fmt, h_q):
+    """Another page size and block count, with and without lengths on both sides."""
+    case = make_sparse_case(8, 2, h_q, 1024, 512, 64, seed=h_q, kv_format=fmt)
+    run_and_check(with_extra(case, seed=1), expect=dict(extra_cache=True, crossover=h_q == 128))
+    case = make_sparse_case(8, 2, h_q, 4096, 2048, 64, topk_length=[0, 1, 64, 65, 700, 2048, 5000, 0], seed=2,
+                            kv_format=fmt)
+    run_and_check(with_extra(case, page=16, topk=128, lengths=[128, 0, 64, 1, 0, 300, 77, 100], seed=3),
+                  expect=dict(extra_cache=True), reuse=2)
+
+
+@pytest.mark.parametrize("fmt", ["V32", "V4"])
+@pytest.mark.parametrize("force", [WHOLE_TILE, dict(crossover=True, producer_halves=False),
+                                   dict(crossover=True, producer_halves=True), dict(partials_16bit=True)],
+                         ids=["whole-tile", "whole-producer", "producer-halves", "16bit-partials"])
+def test_extra_cache_kernel_variants(fmt, force):
+    """Every kernel variant, sinks of +-inf among finite ones, an extra topk not a multiple of 64."""
+    sink = torch.randn(128) * 2
+    sink[0], sink[1] = float("inf"), float("-inf")
+    case = make_sparse_case(6, 2, 128, 4096, 1024, 64, topk_length=[1024, 0, 500, 3000, 64, 1], attn_sink=sink,
+                            seed=5, kv_format=fmt)
+    run_and_check(with_extra(case, nb=9, page=64, topk=100, lengths=[100, 100, 0, 50, 1, 99], seed=6), force=force)
+
+
+@pytest.mark.parametrize("fmt", ["V32", "V41"])
+def test_extra_cache_corners(fmt):
+    """Nothing on either side (out 0, lse +inf), the extra cache alone, many requests split over parts."""
+    case = make_sparse_case(4, 1, 64, 512, 128, 64, invalid_frac=1.0, kv_format=fmt)
+    out, lse = run_and_check(with_extra(case, invalid_frac=1.0, seed=7))
+    assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
+    case = make_sparse_case(4, 2, 128, 512, 128, 64, topk_length=[0, 0, 0, 0], kv_format=fmt, seed=8)
+    run_and_check(with_extra(case, topk=256, seed=9))
+    run_and_check(with_extra(make_sparse_case(74, 2, 128, 2046, 2048, 64, seed=10, kv_format=fmt), seed=11))
+    run_and_check(with_extra(make_sparse_case(2, 1, 64, 8192, 4096, 64, seed=12, kv_format=fmt), topk=1024,
+                             seed=13))
+
+
+def test_extra_cache_cuda_graph_replay():
+    import mla_cute
+
+    case = with_extra(make_sparse_case(16, 2, 128, 2048, 1024, 64, seed=17, kv_format="V4"),
+                      lengths=[128] * 8 + [3] * 8, seed=18)
+    meta, _ = mla_cute.get_mla_metadata()
+    kw = dict(block_table=None, cache_seqlens=None, head_dim_v=512, is_fp8_kvcache=True)
+    mla_cute.flash_mla_with_kvcache(tile_scheduler_metadata=meta, backend="cute", **kw, **case)  # compile first
+    meta, _ = mla_cute.get_mla_metadata()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = mla_cute.flash_mla_with_kvcache(tile_scheduler_metadata=meta, backend="cute", **kw, **case)
+    for seed in (21, 22):
+        fresh = with_extra(make_sparse_case(16, 2, 128, 2048, 1024, 64, seed=seed, kv_format="V4"),
+                           lengths=[128] * 8 + [3] * 8, seed=seed + 10)
+        for k in ("q", "k_cache", "indices", "extra_k_cache", "extra_indices_in_kvcache"):
+            case[k].copy_(fresh[k])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(
+            tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], backend="reference", **kw, **case)
+        assert_close_flashmla("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS)
+        assert_close_flashmla("lse", lse, ref_lse, LSE_ABS, LSE_REL)
