@@ -1,6 +1,6 @@
 """Sparse decode on the d_qk-512 cache formats, side by side: mla-cute beside FlashMLA's SM90 kernel (``flash_mla``,
-every call ``use_legacy=True``) where it reads the format (V32_NO_ROPE, V4), and our V41 beside our V4 on the same
-rows (V41 has no Hopper peer).  Head counts below 64 are timed beside FlashMLA on q padded to 64 heads (its
+every call ``use_legacy=True``) where it reads the format (V32_NO_ROPE, V4), and our V41 and V41_PAGED beside our
+V4 on the same rows (V4.1 has no Hopper peer).  Head counts below 64 are timed beside FlashMLA on q padded to 64 heads (its
 smallest).  ``--extra-topk N``: each query also attends to N tokens of an extra cache of the same format (a
 request's window of 4096 tokens, page 64), one softmax over both (``extra_k_cache``).
 
@@ -90,7 +90,7 @@ def flashmla(fm, fmt, q, indices, extra=None):
 def row(fm, fmt, b, s_q, h_q, topk, rounds, extra_topk=0):
     q, indices, extra = make_inputs(fmt, b, s_q, h_q, topk, extra_topk)
     mine = ours(fmt, q, indices, extra)
-    if fmt == "V41":
+    if fmt in ("V41", "V41_PAGED"):
         peer_name, peer = "mla-cute V4", ours("V4", q, indices, extra)
     else:
         peer_name, peer = ("FlashMLA" + (" (64 heads)" if h_q < 64 else "")), flashmla(fm, fmt, q, indices, extra)
@@ -116,8 +116,8 @@ def main():
     args = ap.parse_args()
     fm = flashmla_side.flash_mla()
     formats = args.formats.split(",")
-    if fm is None and any(f != "V41" for f in formats):
-        raise SystemExit("flash_mla does not import: only --formats V41 runs without it")
+    if fm is None and any(f not in ("V41", "V41_PAGED") for f in formats):
+        raise SystemExit("flash_mla does not import: only --formats V41,V41_PAGED run without it")
     grid = ((64, 128), (2,), (2048,)) if args.quick else (BATCHES, QUERIES, TOPKS)
     heads = [int(h) for h in args.heads.split(",")]
     print("| kv_format | b | s_q | h_q | topk | extra topk | us | peer | peer us | ratio | rel_err vs peer |\n|"

@@ -12,6 +12,8 @@ RoPE piece.
   V32_NO_ROPE  528 B: the latent and its scales as V32; no RoPE.  d_qk 512.
   V41          528 B: the latent as V32 (its last 64 values are the quantized RoPE); 16 ue8m0 scales at 512
                (one per 32: piece m's is byte 4 m + l / 2).  d_qk 512.
+  V41_PAGED    page-blocked V41: data row t (512 e4m3, the latent as V32's) at byte 512 t of its page; scale row
+               t (V41's 16 ue8m0) at 512 page + 16 t.  d_qk 512.
   V4           page-blocked: data row t at byte 576 t of its page: 448 e4m3 (pieces m < 3, and m = 3 for
                l < 4), RoPE bf16 at 448 + 16 l into columns 448 + 8 l, converted to fp16 (V reads them
                too, so they take the operand type); scale row t at 576 page + 8 t: 7 ue8m0 (one per 64:
@@ -114,6 +116,23 @@ class V41Rows(CacheRows):
         return ue8m0_scale(raw[m, SCALE_SLOT, k], lane >> 1)
 
 
+class V41PagedRows(V41Rows):
+    row_bytes = 512  # the data row; the 16-byte scale rows follow the page's data rows
+
+    def scale_view(self, mCache):
+        """Scale row t of block b: 4 words at word 128 page + 4 t of the block."""
+        page = mCache.shape[1]
+        layout = cute.make_layout((mCache.shape[0], page, WORDS), stride=(mCache.stride[0], WORDS, 1))
+        return cute.make_tensor(mCache.iterator + cute.assume(page * self.row_words, divby=16), layout)
+
+    @cute.jit
+    def load(self, raw, k, src, blk_id, off):
+        row = src.mCache[blk_id, off, None]
+        for m in cutlass.range_constexpr(LATENT_PIECES):
+            cute.autovec_copy(cute.local_tile(row, (WORDS,), (m * 8 + src.lane,)), raw[None, m, k])
+        cute.autovec_copy(src.scales[blk_id, off, None], raw[None, SCALE_SLOT, k])
+
+
 class V4Rows(CacheRows):
     row_bytes = 576  # the data row (448 e4m3 + 64 bf16); the 8-byte scale rows follow the page's data rows
     rope_col = 448
@@ -145,7 +164,7 @@ class V4Rows(CacheRows):
         return ue8m0_scale(raw[m // 2, SCALE_SLOT, k], 2 * (m % 2) + (lane >> 2))
 
 
-ROWS = {"V32": V32Rows, "V32_NO_ROPE": NoRopeRows, "V41": V41Rows, "V4": V4Rows}
+ROWS = {"V32": V32Rows, "V32_NO_ROPE": NoRopeRows, "V41": V41Rows, "V41_PAGED": V41PagedRows, "V4": V4Rows}
 
 
 def cache_rows(kv_format: str) -> CacheRows:

@@ -248,10 +248,10 @@ def flash_mla_with_kvcache(
             (an int, a numpy number or a 0-dim tensor is read with ``float()``; a bool is refused).
         causal: a bool (a numpy bool too; an int such as 1 is refused).
         kv_format (keyword): the sparse cache's format (``mla_cute.kv_formats``): "V32" (656 bytes, d_qk 576),
-            "V32_NO_ROPE" (528), "V4" (584), "V41" (528), with q's head_dim 512 for the last three; None: as
-            the bytes per token name it (528: V41).  Both backends read every one.
+            "V32_NO_ROPE" (528), "V4" (584), "V41" (528), "V41_PAGED" (528: V41 page-blocked), with q's head_dim
+            512 for all but V32; None: as the bytes per token name it (528: V41).  Both backends read every one.
         extra_k_cache / extra_indices_in_kvcache / extra_topk_length: a second quantized cache (its own page
-            size and blocks; V41_FP4 beside V41, else k_cache's format) whose indices join the same softmax: out
+            size and blocks; V41_FP4 beside V41 or V41_PAGED, else k_cache's format) whose indices join the same softmax: out
             and lse over the union of both index sets.  The cute kernel reads an extra cache of k_cache's
             format (V41_FP4: the reference backend only).
         backend: ``"cute"`` or ``"reference"`` (keyword only; default by device, or the

@@ -9,8 +9,14 @@ FlashMLA's quantizers.  Each quantizes a 16-bit cache ``[num_blocks, page, 1, d_
                a token's bytes are where the layout says).
   V41          528 B, d_qk 512: per token 512 e4m3 values (the RoPE part quantized too), then 16 ue8m0 scales
                (one per 32 values).
+  V41_PAGED    528 B, d_qk 512, page-blocked: V41's bytes in FlashMLA's 2026-09-10 layout: a page holds ``page``
+               data rows of 512 e4m3 values, then ``page`` scale rows of 16 ue8m0 scales; a page takes
+               ``512 * ceil(528 * page / 512)`` bytes (a view, as V4's).
   V41_FP4      288 B, d_qk 512: per token 512 e2m1 values in 256 bytes (the even index in the low nibble), then
                32 e4m3 scales (one per 16 values); the extra cache beside a V41 main cache.
+
+A page-blocked token's data row and scale row, put side by side, are its bytes in a token-major cache of the
+same format (V4: 576 + 8, V41_PAGED: V41's 512 + 16); the functions below work on those and place them.
 
 Scales of the e4m3 formats are powers of two, ``2 ** max(-13, ceil(log2(amax / 448)))`` per tile (FlashMLA's
 rule, the one of ``fp8.py``); a ue8m0 byte is the exponent plus 127 (0xFF for a tile holding NaN or inf).  The
@@ -32,8 +38,11 @@ V4_NOPE, V4_TILE, V4_TILES = 448, 64, 7
 V4_DATA_ROW = V4_NOPE + (D_V4 - V4_NOPE) * 2  # 576
 V4_SCALE_ROW = 8
 
-BYTES_PER_TOKEN = {"V32": FP8_BYTES_PER_TOKEN, "V32_NO_ROPE": 528, "V4": 584, "V41": 528, "V41_FP4": 288}
-HEAD_DIM = {"V32": 576, "V32_NO_ROPE": 512, "V4": 512, "V41": 512, "V41_FP4": 512}
+BYTES_PER_TOKEN = {"V32": FP8_BYTES_PER_TOKEN, "V32_NO_ROPE": 528, "V4": 584, "V41": 528, "V41_PAGED": 528,
+                   "V41_FP4": 288}
+HEAD_DIM = {"V32": 576, "V32_NO_ROPE": 512, "V4": 512, "V41": 512, "V41_PAGED": 512, "V41_FP4": 512}
+# The page-blocked formats: (data row bytes, scale row bytes, the multiple a page's bytes are padded to).
+PAGE_BLOCKED = {"V4": (V4_DATA_ROW, V4_SCALE_ROW, 576), "V41_PAGED": (512, 16, 512)}
 _FP8_MAX = 448.0
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -59,9 +68,15 @@ def format_of(k_cache: torch.Tensor, kv_format=None, name: str = "k_cache") -> s
     return by_bytes[last]
 
 
+def page_bytes(kv_format: str, page: int) -> int:
+    """Bytes of one page of a page-blocked format (its block stride): its rows' bytes rounded up to its multiple."""
+    data, scale, align = PAGE_BLOCKED[kv_format]
+    return align * math.ceil((data + scale) * page / align)
+
+
 def v4_page_bytes(page: int) -> int:
     """Bytes of one V4 page: its 584 * page bytes rounded up to a multiple of 576."""
-    return 576 * math.ceil(584 * page / 576)
+    return page_bytes("V4", page)
 
 
 _HALF_IN = (torch.bfloat16, torch.float16, torch.float32)
@@ -113,22 +128,32 @@ def quantize_kv_cache(k_cache: torch.Tensor, kv_format: str = "V32") -> torch.Te
         return _quantize_v32(k_cache)
     _check_cache("k_cache", k_cache, HEAD_DIM[fmt], _HALF_IN)
     nb, page = k_cache.shape[0], k_cache.shape[1]
-    x = k_cache.reshape(nb, page, -1).float()
+    raw = _token_bytes(fmt, k_cache.reshape(nb, page, -1))
+    if fmt not in PAGE_BLOCKED:
+        return raw.view(torch.float8_e4m3fn).reshape(nb, page, 1, -1)
+    data, scale, _ = PAGE_BLOCKED[fmt]
+    buf = torch.zeros(nb, page_bytes(fmt, page), dtype=torch.uint8, device=k_cache.device)
+    buf[:, : data * page].view(nb, page, data).copy_(raw[..., :data])
+    buf[:, data * page : (data + scale) * page].view(nb, page, scale).copy_(raw[..., data:])
+    bpt = BYTES_PER_TOKEN[fmt]
+    return buf.view(torch.float8_e4m3fn)[:, : bpt * page].view(nb, page, 1, bpt)
+
+
+def _token_bytes(fmt: str, rows: torch.Tensor) -> torch.Tensor:
+    """16-bit rows ``[..., d_qk]`` as a token-major cache's bytes ``[..., bytes per token]`` uint8 (a page-blocked
+    format's: its data row, then its scale row)."""
+    x = rows.float()
+    out = torch.zeros(*rows.shape[:-1], BYTES_PER_TOKEN[fmt], dtype=torch.uint8, device=rows.device)
     if fmt == "V4":
         q, e = _e4m3_tiles(x[..., :V4_NOPE], V4_TILE)
-        buf = torch.zeros(nb, v4_page_bytes(page), dtype=torch.uint8, device=k_cache.device)
-        data = buf[:, : V4_DATA_ROW * page].view(nb, page, V4_DATA_ROW)
-        data[..., :V4_NOPE] = q
-        data[..., V4_NOPE:] = k_cache.reshape(nb, page, -1)[..., V4_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
-        scales = buf[:, V4_DATA_ROW * page : (V4_DATA_ROW + V4_SCALE_ROW) * page].view(nb, page, V4_SCALE_ROW)
-        scales[..., :V4_TILES] = _ue8m0(e)
-        return buf.view(torch.float8_e4m3fn)[:, : 584 * page].view(nb, page, 1, 584)
-    out = torch.empty(nb, page, BYTES_PER_TOKEN[fmt], dtype=torch.uint8, device=k_cache.device)
-    if fmt == "V32_NO_ROPE":
+        out[..., :V4_NOPE] = q
+        out[..., V4_NOPE:V4_DATA_ROW] = rows[..., V4_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
+        out[..., V4_DATA_ROW : V4_DATA_ROW + V4_TILES] = _ue8m0(e)
+    elif fmt == "V32_NO_ROPE":
         q, e = _e4m3_tiles(x, 128)
         out[..., :512] = q
         out[..., 512:] = torch.pow(2.0, e).contiguous().view(torch.uint8)
-    elif fmt == "V41":
+    elif fmt in ("V41", "V41_PAGED"):
         q, e = _e4m3_tiles(x, 32)
         out[..., :512] = q
         out[..., 512:] = _ue8m0(e)
@@ -136,7 +161,7 @@ def quantize_kv_cache(k_cache: torch.Tensor, kv_format: str = "V32") -> torch.Te
         codes, scale = _e2m1_tiles(x)
         out[..., :256] = codes[..., 0::2] | (codes[..., 1::2] << 4)
         out[..., 256:] = scale
-    return out.view(torch.float8_e4m3fn).reshape(nb, page, 1, -1)
+    return out
 
 
 def _e2m1_tiles(x: torch.Tensor):
@@ -164,29 +189,39 @@ def dequantize_kv_cache(k_cache_fp8: torch.Tensor, kv_format=None) -> torch.Tens
         return _dequantize_v32(k_cache)
     _check_cache("k_cache_fp8", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
     nb, page = k_cache.shape[0], k_cache.shape[1]
+    if fmt in PAGE_BLOCKED:
+        data, scale, _ = PAGE_BLOCKED[fmt]
+        pages = _pages(k_cache, data + scale)
+        raw = torch.cat([pages[:, : data * page].reshape(nb, page, data),
+                         pages[:, data * page :].reshape(nb, page, scale)], dim=-1)
+    else:
+        raw = k_cache.reshape(nb, page, -1).view(torch.uint8)
+    return _from_token_bytes(fmt, raw).reshape(nb, page, 1, HEAD_DIM[fmt])
+
+
+def _from_token_bytes(fmt: str, raw: torch.Tensor) -> torch.Tensor:
+    """``_token_bytes``' inverse: bytes ``[..., bytes per token]`` to bf16 ``[..., d_qk]``."""
+    lead = raw.shape[:-1]
     if fmt == "V4":
-        pages = _pages(k_cache, 584)
-        data = pages[:, : V4_DATA_ROW * page].reshape(nb, page, V4_DATA_ROW)
-        scales = pages[:, V4_DATA_ROW * page :].reshape(nb, page, V4_SCALE_ROW)[..., :V4_TILES]
-        nope = _e4m3_values(data[..., :V4_NOPE]).reshape(nb, page, V4_TILES, V4_TILE) * _from_ue8m0(scales).unsqueeze(-1)
-        out = torch.empty(nb, page, D_V4, dtype=torch.bfloat16, device=k_cache.device)
-        out[..., :V4_NOPE] = nope.reshape(nb, page, V4_NOPE).to(torch.bfloat16)
-        out[..., V4_NOPE:] = data[..., V4_NOPE:].contiguous().view(torch.bfloat16)
-        return out.reshape(nb, page, 1, D_V4)
-    raw = k_cache.reshape(nb, page, -1).view(torch.uint8)
+        scales = raw[..., V4_DATA_ROW : V4_DATA_ROW + V4_TILES]
+        nope = _e4m3_values(raw[..., :V4_NOPE]).reshape(*lead, V4_TILES, V4_TILE) * _from_ue8m0(scales).unsqueeze(-1)
+        out = torch.empty(*lead, D_V4, dtype=torch.bfloat16, device=raw.device)
+        out[..., :V4_NOPE] = nope.reshape(*lead, V4_NOPE).to(torch.bfloat16)
+        out[..., V4_NOPE:] = raw[..., V4_NOPE:V4_DATA_ROW].contiguous().view(torch.bfloat16)
+        return out
     if fmt == "V32_NO_ROPE":
-        vals = _e4m3_values(raw[..., :512]).reshape(nb, page, 4, 128)
+        vals = _e4m3_values(raw[..., :512]).reshape(*lead, 4, 128)
         scale = raw[..., 512:].contiguous().view(torch.float32)
-    elif fmt == "V41":
-        vals = _e4m3_values(raw[..., :512]).reshape(nb, page, 16, 32)
+    elif fmt in ("V41", "V41_PAGED"):
+        vals = _e4m3_values(raw[..., :512]).reshape(*lead, 16, 32)
         scale = _from_ue8m0(raw[..., 512:])
     else:  # V41_FP4
         packed = raw[..., :256].to(torch.int64)
-        codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(nb, page, 512)
-        mag = torch.tensor(_E2M1, device=k_cache.device)[codes & 7]
-        vals = torch.where(codes >= 8, -mag, mag).reshape(nb, page, 32, 16)
+        codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*lead, 512)
+        mag = torch.tensor(_E2M1, device=raw.device)[codes & 7]
+        vals = torch.where(codes >= 8, -mag, mag).reshape(*lead, 32, 16)
         scale = _e4m3_values(raw[..., 256:])
-    return (vals * scale.unsqueeze(-1)).reshape(nb, page, 1, 512).to(torch.bfloat16)
+    return (vals * scale.unsqueeze(-1)).reshape(*lead, 512).to(torch.bfloat16)
 
 
 def gather_rows(k_cache: torch.Tensor, tokens: torch.Tensor, kv_format=None) -> torch.Tensor:
@@ -195,18 +230,21 @@ def gather_rows(k_cache: torch.Tensor, tokens: torch.Tensor, kv_format=None) -> 
     fmt = format_of(k_cache, kv_format)
     bpt = BYTES_PER_TOKEN[fmt]
     tokens = tokens.reshape(-1).long()
-    if fmt != "V4":
-        raw = k_cache.reshape(-1, bpt).view(torch.uint8)
-        rows = raw[tokens].reshape(-1, 1, 1, bpt)
+    if fmt == "V32":
+        rows = k_cache.reshape(-1, bpt).view(torch.uint8)[tokens].reshape(-1, 1, 1, bpt)
+        return dequantize_kv_cache(rows, kv_format=fmt).reshape(-1, HEAD_DIM[fmt]).float()
+    if fmt not in PAGE_BLOCKED:
+        raw = k_cache.reshape(-1, bpt).view(torch.uint8)[tokens]
     else:
+        data, scale, _ = PAGE_BLOCKED[fmt]
         page = k_cache.shape[1]
-        pages = _pages(k_cache, 584)
+        pages = _pages(k_cache, data + scale)
         blk, slot = tokens // page, tokens % page
-        data = pages[blk.unsqueeze(1), (V4_DATA_ROW * slot).unsqueeze(1) + torch.arange(V4_DATA_ROW, device=tokens.device)]
-        at = V4_DATA_ROW * page + V4_SCALE_ROW * slot
-        scales = pages[blk.unsqueeze(1), at.unsqueeze(1) + torch.arange(V4_SCALE_ROW, device=tokens.device)]
-        rows = torch.cat([data, scales], dim=1).reshape(-1, 1, 1, 584)  # one-token pages: data row, then scales
-    return dequantize_kv_cache(rows, kv_format=fmt).reshape(-1, HEAD_DIM[fmt]).float()
+        rows = pages[blk.unsqueeze(1), (data * slot).unsqueeze(1) + torch.arange(data, device=tokens.device)]
+        at = data * page + scale * slot
+        scales = pages[blk.unsqueeze(1), at.unsqueeze(1) + torch.arange(scale, device=tokens.device)]
+        raw = torch.cat([rows, scales], dim=1)
+    return _from_token_bytes(fmt, raw).float()
 
 
 def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor, kv_format=None) -> None:
@@ -237,15 +275,13 @@ def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: 
     if int(slots.max()) >= nb * page or slots.unique().numel() != slots.numel():
         raise ValueError(f"slot_mapping must name distinct slots below num_blocks * page_block_size = {nb * page}")
     blk, off = slots // page, slots % page
-    if fmt == "V4":
-        one = quantize_kv_cache(rows.reshape(-1, 1, 1, d), kv_format=fmt)  # one-token pages: data row, then scales
-        raw = torch.as_strided(one.view(torch.uint8), (rows.shape[0], 584), (one.stride(0), 1))
-        pages = _pages(k_cache, 584)
-        ar_d = torch.arange(V4_DATA_ROW, device=slots.device)
-        ar_s = torch.arange(V4_SCALE_ROW, device=slots.device)
-        pages[blk.unsqueeze(1), (V4_DATA_ROW * off).unsqueeze(1) + ar_d] = raw[:, :V4_DATA_ROW]
-        at = V4_DATA_ROW * page + V4_SCALE_ROW * off
-        pages[blk.unsqueeze(1), at.unsqueeze(1) + ar_s] = raw[:, V4_DATA_ROW:]
+    raw = _token_bytes(fmt, rows) if fmt != "V32" else (
+        quantize_kv_cache(rows.reshape(-1, 1, 1, d), kv_format=fmt).view(torch.uint8).reshape(rows.shape[0], -1))
+    if fmt not in PAGE_BLOCKED:
+        k_cache.view(torch.uint8)[blk, off, 0] = raw
         return
-    raw = quantize_kv_cache(rows.reshape(-1, 1, 1, d), kv_format=fmt).view(torch.uint8).reshape(rows.shape[0], -1)
-    k_cache.view(torch.uint8)[blk, off, 0] = raw
+    data, scale, _ = PAGE_BLOCKED[fmt]
+    pages = _pages(k_cache, data + scale)
+    pages[blk.unsqueeze(1), (data * off).unsqueeze(1) + torch.arange(data, device=slots.device)] = raw[:, :data]
+    at = data * page + scale * off
+    pages[blk.unsqueeze(1), at.unsqueeze(1) + torch.arange(scale, device=slots.device)] = raw[:, data:]

@@ -192,7 +192,7 @@ def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v,
         raise ValueError(f"head_dim_v must be {D_LATENT}, got {head_dim_v}")
     fmt = _check_quantized_cache("k_cache", k_cache, kv_format)
     if fmt == "V41_FP4":
-        raise ValueError("kv_format V41_FP4 is only valid for extra_k_cache, beside a V41 k_cache")
+        raise ValueError("kv_format V41_FP4 is only valid for extra_k_cache, beside a V41 or V41_PAGED k_cache")
     if d != HEAD_DIM[fmt]:
         raise ValueError(f"q must have head_dim {HEAD_DIM[fmt]} with a {fmt} cache, got {d}")
     check_tensor("indices", indices, dim=3, dtypes=(torch.int32,))
@@ -208,8 +208,8 @@ def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v,
                          "(extra_topk_length only with them)")
     same = fmt if extra_k_cache.dim() == 4 and extra_k_cache.shape[-1] == BYTES_PER_TOKEN[fmt] else None
     extra_fmt = _check_quantized_cache("extra_k_cache", extra_k_cache, same)
-    if extra_fmt == "V41_FP4" and fmt != "V41":
-        raise ValueError(f"extra_k_cache in V41_FP4 needs a V41 k_cache, got {fmt}")
+    if extra_fmt == "V41_FP4" and fmt not in ("V41", "V41_PAGED"):
+        raise ValueError(f"extra_k_cache in V41_FP4 needs a V41 or V41_PAGED k_cache, got {fmt}")
     if HEAD_DIM[extra_fmt] != d:
         raise ValueError(f"extra_k_cache ({extra_fmt}) must hold q's head_dim {d}, it holds {HEAD_DIM[extra_fmt]}")
     check_tensor("extra_indices_in_kvcache", extra_indices, dim=3, dtypes=(torch.int32,))

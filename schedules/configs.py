@@ -93,8 +93,8 @@ class SparseSplitConfig:
     producer halves, and 16-bit split partials.  ``max_logits``: the kernel also writes each row's max scaled
     logit (prefill from the FP8 cache, ``flash_mla_sparse_fwd``); its plans never split a request
     (``planner.whole_token_plan``), so no combine is needed.  ``kv_format``: the cache's format
-    (``kernels/cache_rows.py``): "V32" (656-byte rows, d_qk 576), "V32_NO_ROPE", "V41" (528) or "V4" (584,
-    page-blocked), d_qk 512.  ``extra_cache``: a second cache of the same format (``extra_k_cache``, its
+    (``kernels/cache_rows.py``): "V32" (656-byte rows, d_qk 576), "V32_NO_ROPE", "V41" (528), "V41_PAGED" (528,
+    page-blocked) or "V4" (584, page-blocked), d_qk 512.  ``extra_cache``: a second cache of the same format (``extra_k_cache``, its
     own page size), its tokens after the main ones in one softmax (``kernels/sparse_tiles.py``); the kernel
     then takes both caches' lengths, so ``has_topk_length`` is set."""
 

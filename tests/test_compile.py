@@ -358,7 +358,8 @@ def test_sparse_decode_gathers_with_vector_loads_without_spills(s_q, h_q, sink, 
 
 
 @pytest.mark.parametrize("fmt,s_q,h_q,crossover", [("V32_NO_ROPE", 2, 128, True), ("V4", 2, 128, True),
-                                                   ("V41", 1, 64, False), ("V4", 1, 32, False)])
+                                                   ("V41", 1, 64, False), ("V4", 1, 32, False),
+                                                   ("V41_PAGED", 2, 128, True), ("V41_PAGED", 1, 64, False)])
 def test_sparse_decode_reads_each_cache_format_without_spills(fmt, s_q, h_q, crossover, capfd):
     """The d_qk-512 formats: S takes 32 k-blocks a 64-head tile, no bf16 RoPE block (V4's RoPE is converted to
     fp16 with the latent); the tokens' bytes arrive with 16-byte loads and dequantize from e4m3."""

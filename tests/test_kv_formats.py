@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import mla_cute
-from mla_cute.kv_formats import BYTES_PER_TOKEN, HEAD_DIM, format_of, v4_page_bytes
+from mla_cute.kv_formats import BYTES_PER_TOKEN, HEAD_DIM, PAGE_BLOCKED, format_of, page_bytes, v4_page_bytes
 
 FORMATS = list(BYTES_PER_TOKEN)
 # Relative error of one round trip on unit-normal rows: e4m3 keeps 3 mantissa bits, e2m1 one.
-ROUND_TRIP_ERR = {"V32": 0.04, "V32_NO_ROPE": 0.04, "V4": 0.04, "V41": 0.04, "V41_FP4": 0.12}
+ROUND_TRIP_ERR = {"V32": 0.04, "V32_NO_ROPE": 0.04, "V4": 0.04, "V41": 0.04, "V41_PAGED": 0.04, "V41_FP4": 0.12}
 
 
 def _rows(nb, page, fmt, seed=0):
@@ -35,6 +35,26 @@ def test_v4_pages_are_padded_to_576_byte_multiples(page, stride):
     assert v4_page_bytes(page) == stride
     c = mla_cute.quantize_kv_cache(_rows(2, page, "V4"), kv_format="V4")
     assert c.stride() == (stride, 584, 584, 1)
+
+
+@pytest.mark.parametrize("page", [1, 3, 16, 64])
+def test_v41_paged_holds_v41_bytes_in_data_and_scale_rows(page):
+    """The page-blocked V4.1 layout: token t's 512 e4m3 bytes at page base + 512 t, its 16 ue8m0 scales at
+    512 page + 16 t, each V41's bytes of the token; a page padded to a multiple of 512 bytes."""
+    x = _rows(3, page, "V41", seed=page)
+    v41 = mla_cute.quantize_kv_cache(x, kv_format="V41").view(torch.uint8)
+    c = mla_cute.quantize_kv_cache(x, kv_format="V41_PAGED")
+    assert page_bytes("V41_PAGED", page) == 512 * -(-528 * page // 512)
+    assert c.stride() == (page_bytes("V41_PAGED", page), 528, 528, 1)
+    raw = torch.as_strided(c.view(torch.uint8), (3, page_bytes("V41_PAGED", page)), (c.stride(0), 1))
+    for b in range(3):
+        for t in range(page):
+            assert torch.equal(raw[b, 512 * t: 512 * t + 512], v41[b, t, 0, :512])
+            assert torch.equal(raw[b, 512 * page + 16 * t: 512 * page + 16 * t + 16], v41[b, t, 0, 512:])
+    assert torch.equal(mla_cute.dequantize_kv_cache(c, kv_format="V41_PAGED"),
+                       mla_cute.dequantize_kv_cache(v41.view(torch.float8_e4m3fn), kv_format="V41"))
+    assert format_of(c) == "V41"  # 528 bytes name V41 unless the format is said
+    assert format_of(c, "V41_PAGED") == "V41_PAGED"
 
 
 def test_v4_token_bytes_sit_in_data_and_scale_rows():
@@ -205,12 +225,13 @@ def test_write_kv_cache_matches_quantizing_the_whole_cache(fmt):
     x = _rows(nb, page, fmt, seed=11)
     want = mla_cute.quantize_kv_cache(x, kv_format=fmt)
     old = mla_cute.quantize_kv_cache(_rows(nb, page, fmt, seed=12), kv_format=fmt)
-    cache = old.clone() if fmt != "V4" else mla_cute.quantize_kv_cache(_rows(nb, page, fmt, seed=12), kv_format=fmt)
+    blocked = fmt in PAGE_BLOCKED  # a view with the padded page stride, which clone() would not keep
+    cache = mla_cute.quantize_kv_cache(_rows(nb, page, fmt, seed=12), kv_format=fmt) if blocked else old.clone()
     slots = torch.randperm(nb * page, generator=torch.Generator().manual_seed(1))[:40]
     rows = x.reshape(nb * page, -1)[slots]
     mapping = torch.cat([slots, torch.tensor([-1, -1])])
     rows = torch.cat([rows, torch.full((2, rows.shape[1]), float("nan")).bfloat16()])
-    kv = "V32_NO_ROPE" if fmt == "V32_NO_ROPE" else None
+    kv = fmt if fmt in ("V32_NO_ROPE", "V41_PAGED") else None  # 528 bytes name V41 unless said
     mla_cute.write_kv_cache(cache, rows, mapping.to(torch.int32), kv_format=kv)
     got = mla_cute.dequantize_kv_cache(cache, kv_format=fmt).reshape(nb * page, -1)
     ref = mla_cute.dequantize_kv_cache(want, kv_format=fmt).reshape(nb * page, -1)
@@ -218,7 +239,7 @@ def test_write_kv_cache_matches_quantizing_the_whole_cache(fmt):
     written = torch.zeros(nb * page, dtype=torch.bool)
     written[slots] = True
     assert torch.equal(got[written], ref[written]) and torch.equal(got[~written], kept[~written])
-    if fmt != "V4":  # per-token rows: the written bytes themselves
+    if not blocked:  # per-token rows: the written bytes themselves
         w, c = want.view(torch.uint8).reshape(nb * page, -1), cache.view(torch.uint8).reshape(nb * page, -1)
         assert torch.equal(c[slots], w[slots])
 

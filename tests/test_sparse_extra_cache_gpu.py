@@ -12,7 +12,7 @@ from test_sparse_decode_gpu import LSE_ABS, LSE_REL, OUT_ABS, OUT_COS, OUT_REL, 
 
 pytestmark = pytest.mark.gpu
 
-FORMATS = ["V32", "V32_NO_ROPE", "V4", "V41"]
+FORMATS = ["V32", "V32_NO_ROPE", "V4", "V41", "V41_PAGED"]
 
 
 def with_extra(case, *, nb=20, page=32, topk=128, lengths=None, invalid_frac=0.1, seed=0):

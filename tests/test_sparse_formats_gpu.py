@@ -1,4 +1,4 @@
-"""The sparse decode kernel on the d_qk-512 cache formats (V32_NO_ROPE, V4, V41) against the reference on the
+"""The sparse decode kernel on the d_qk-512 cache formats (V32_NO_ROPE, V4, V41, V41_PAGED) against the reference on the
 dequantized cache: FlashMLA's sparse grid thinned to three shapes, each kernel variant, head counts below 64,
 topk_length and sinks, invalid and out-of-range indices, the fp16 operand range's ends, metadata reuse and a
 CUDA graph replay."""
@@ -13,7 +13,7 @@ from test_sparse_decode_gpu import LSE_ABS, LSE_REL, OUT_ABS, OUT_COS, OUT_REL, 
 
 pytestmark = pytest.mark.gpu
 
-FORMATS = ["V32_NO_ROPE", "V4", "V41"]
+FORMATS = ["V32_NO_ROPE", "V4", "V41", "V41_PAGED"]
 # (s_k, topk, page) of FlashMLA's grid: odd pages, a topk past s_k, the longest topk.
 SHAPES = [(512, 64, 69), (1024, 576, 61), (2046, 2048, 64)]
 GRID = [(fmt, b, s_q, h_q, s_k, topk, page) for fmt in FORMATS for s_k, topk, page in SHAPES for b in (4, 74)

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..device import device_facts, num_sms
-from ..kv_formats import BYTES_PER_TOKEN, V4_DATA_ROW
+from ..kv_formats import BYTES_PER_TOKEN, PAGE_BLOCKED
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.planner import whole_token_plan
 from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, resolve_dense, resolve_sparse, resolve_sparse_prefill,
@@ -218,7 +218,8 @@ def check_sparse_supported(k_cache: torch.Tensor, kv_format: str = "V32", name: 
             f"(strides [*, {row}, *, 1]), got strides {list(k_cache.stride())}"
         )
     if k_cache.data_ptr() % 16 != 0 or k_cache.stride(0) % 16 != 0:
-        pad = " (quantize_kv_cache pads V4 pages to 576-byte multiples)" if kv_format == "V4" else ""
+        pad = (f" (quantize_kv_cache pads {kv_format} pages to {PAGE_BLOCKED[kv_format][2]}-byte multiples)"
+               if kv_format in PAGE_BLOCKED else "")
         raise NotImplementedError(f"{name}: the 'cute' sparse kernel needs a 16-byte aligned base and block stride, "
                                   f"got block stride {k_cache.stride(0)}{pad}")
 
@@ -238,14 +239,14 @@ def check_extra_cache_supported(k_cache: torch.Tensor, extra_k_cache: torch.Tens
 
 
 def cache_words(k_cache: torch.Tensor, kv_format: str) -> torch.Tensor:
-    """The kernel's view of the cache: [num_blocks, page, row words] int32, a token's row (V4: its 576-byte data
-    row at 576 t of the page; the kernel finds the scale rows after the page's data rows)."""
+    """The kernel's view of the cache: [num_blocks, page, row words] int32, a token's row (a page-blocked
+    format's: its data row, at data-row bytes x t of the page; the kernel finds the scale rows after the page's
+    data rows)."""
     words = k_cache.view(torch.int32)
-    if kv_format != "V4":
+    if kv_format not in PAGE_BLOCKED:
         return words.select(2, 0)
-    nb, page = k_cache.shape[0], k_cache.shape[1]
-    return torch.as_strided(words, (nb, page, V4_DATA_ROW // 4), (words.stride(0), V4_DATA_ROW // 4, 1),
-                            words.storage_offset())
+    nb, page, row = k_cache.shape[0], k_cache.shape[1], PAGE_BLOCKED[kv_format][0] // 4
+    return torch.as_strided(words, (nb, page, row), (words.stride(0), row, 1), words.storage_offset())
 
 
 class SparsePlan:
