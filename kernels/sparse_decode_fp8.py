@@ -3,7 +3,9 @@
 The cache format is the config's ``kv_format`` (``cache_rows.py``: a token's loads and dequantization); the
 plan below is V32's (656-byte rows, d_qk 576, a bf16 RoPE block of 64 columns); the d_qk-512 formats
 (V32_NO_ROPE, V4, V41) have no RoPE block (the same storage; Q and S span 512 columns, and V4's RoPE values
-are columns 448-511, fp16), and give registers 152 / 192 / 160.
+are columns 448-511, fp16), and give registers 152 / 192 / 160.  With ``extra_cache`` a request's tiles run
+over its main tokens, then over the extra cache's (``sparse_tiles.py``): the producer's indices name rows of
+either cache, the consumers see one request.
 
 Each query token attends to the ``topk`` cache rows its ``indices`` name.  One CTA serves
 one (SM part, query token s, 64-head tile); its part of the batch comes from the split-KV
