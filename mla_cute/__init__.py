@@ -10,6 +10,7 @@ from .api import (
 )
 from .backend import select_backend
 from .fp8 import FP8_BYTES_PER_TOKEN
+from .jit import cache_info
 from .kv_formats import dequantize_kv_cache, quantize_kv_cache, write_kv_cache
 
 __version__ = "0.1.0"
@@ -25,5 +26,6 @@ __all__ = [
     "FP8_BYTES_PER_TOKEN",
     "select_backend",
     "precompile",
+    "cache_info",
     "use_schedule",
 ]

@@ -511,7 +511,8 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     Dense decode: a dict with ``dtype`` (torch.bfloat16 / torch.float16), ``s_q``, ``h_q``,
     ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64) and ``schedule``.
     Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
-    ``attn_sink`` and ``topk_length`` (False: whether calls pass one) and ``schedule``.
+    ``attn_sink`` and ``topk_length`` (False: whether calls pass one), ``kv_format`` ("V32"), ``extra_cache``
+    (False: whether calls pass ``extra_k_cache``) and ``schedule``.
     Sparse prefill (:func:`flash_mla_sparse_fwd`): a dict with ``prefill=True``, ``h_q`` and optionally
     ``d_qk`` (576 or 512; 576), ``attn_sink``, ``topk_length`` and ``fp8_cache`` (False: kv is the paged FP8
     cache); one kernel each.
@@ -532,7 +533,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
             continue
         sparse = bool(cfg.pop("sparse", False))
         required = {"s_q", "h_q"} if sparse else {"dtype", "s_q", "h_q", "h_kv"}
-        allowed = required | ({"attn_sink", "topk_length", "kv_format", "schedule"} if sparse
+        allowed = required | ({"attn_sink", "topk_length", "kv_format", "extra_cache", "schedule"} if sparse
                               else {"causal", "page_block_size", "schedule"})
         missing = required - cfg.keys()
         if missing:
@@ -551,7 +552,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
             if fmt == "V41_FP4":
                 raise NotImplementedError(f"precompile config {i}: the 'cute' sparse kernel does not read V41_FP4")
             cute.precompile_sparse(cfg["s_q"], cfg["h_q"], bool(cfg.get("attn_sink", False)), sched,
-                                   bool(cfg.get("topk_length", False)), fmt)
+                                   bool(cfg.get("topk_length", False)), fmt, bool(cfg.get("extra_cache", False)))
             count += 1
             continue
         if cfg["dtype"] not in V.HALF_DTYPES:

@@ -8,7 +8,8 @@ compiled kernel under a hash of that key, the DSL and TVM-FFI versions, the targ
 sources of ``kernels/`` and ``schedules/``: a warm start loads it in milliseconds, and any
 edit of a kernel or schedule source invalidates it.  ``MLA_CUTE_DISK_CACHE=0`` disables it.
 
-An entry is ``<name>.o`` plus a sidecar ``<name>.sum`` holding the object's size and sha256.
+An entry is ``<name>.o`` plus a sidecar ``<name>.sum`` holding the object's size and sha256, and
+``<name>.txt``, the configuration it was compiled for (what ``cache_info`` reports).
 Both are written to temporary files and published with ``os.replace``, the sidecar last, and
 the object is checked against the sidecar before it is loaded: an entry whose object or sidecar
 is missing, truncated or altered is reported once (a warning), rebuilt and replaced, never
@@ -33,6 +34,7 @@ log = logging.getLogger("mla_cute")
 
 _lock = threading.Lock()
 _cache: Dict[Hashable, Any] = {}
+_described: Dict[Hashable, str] = {}  # what each kernel in memory was compiled for, and where it came from
 _source_hash: str | None = None
 _warned: set = set()  # what has been reported once already (bad entries, unwritable directories)
 _STALE_TMP_S = 3600  # a temporary file this old belongs to a writer that died
@@ -116,6 +118,13 @@ def _disk_name(key: Hashable) -> str:
     return "k" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def _build_stamp() -> str:
+    """The versions, arch and sources an entry's name is hashed with besides its key (``_disk_name``)."""
+    import cutlass
+
+    return repr((cutlass.__version__, _runtime_versions(), _target_arch(), _sources_hash()))
+
+
 def _warn_once(what: Hashable, msg: str, *args) -> None:
     if what not in _warned:
         _warned.add(what)
@@ -175,8 +184,9 @@ def _sweep_stale_tmp(directory: Path) -> None:
                 tmp.unlink()
 
 
-def _store_to_disk(name: str, fn) -> None:
-    """Export ``fn`` as the entry ``name``: object, then sidecar, each published with ``os.replace``."""
+def _store_to_disk(name: str, fn, describe: str = "") -> None:
+    """Export ``fn`` as the entry ``name``: object, then sidecar, each published with ``os.replace``; then the
+    description of its configuration."""
     directory = cache_dir()
     token = f"{os.getpid()}.{secrets.token_hex(4)}"
     tmp_obj, tmp_side = directory / f"{name}.{token}.tmp.o", directory / f"{name}.{token}.tmp.sum"
@@ -187,6 +197,7 @@ def _store_to_disk(name: str, fn) -> None:
         tmp_side.write_text(_sidecar_text(tmp_obj.read_bytes()))
         os.replace(tmp_obj, directory / f"{name}.o")
         os.replace(tmp_side, directory / f"{name}.sum")
+        (directory / f"{name}.txt").write_text(f"{describe}\n{_build_stamp()}\n")
     except Exception as exc:  # the kernel is compiled and usable; only its persistence failed
         _warn_once(("store", str(directory)), "mla_cute: could not write the compile cache in %s (%s: %s)",
                    directory, type(exc).__name__, exc)
@@ -230,18 +241,43 @@ def cached_compile(key: Hashable, build: Callable[[], Any], *, describe: str = "
         use_disk = persistent and os.environ.get("MLA_CUTE_DISK_CACHE", "1") != "0"
         name = _disk_name(key) if use_disk else None
         fn = _load_from_disk(name) if use_disk else None
+        source = "disk"
         if fn is None:
             _report(f"compiling {describe or key} ...")
             t0 = time.perf_counter()
             fn = build()
             _report(f"compiled {describe or key} in {time.perf_counter() - t0:.1f} s")
+            source = "compiled"
             if use_disk:
-                _store_to_disk(name, fn)
+                _store_to_disk(name, fn, describe or repr(key))
         _cache[key] = fn
+        _described[key] = f"{describe or key} ({source})"
     return fn
+
+
+def cache_info() -> dict:
+    """Which kernel configurations are warm: ``memory``, this process's compiled kernels (each described by
+    its configuration and whether it was compiled here or loaded from disk); ``disk``, the entries of the disk
+    cache (``cache_dir``) built for this DSL, arch and kernel sources (loadable without compiling), each by its
+    configuration; ``disk_other``, entries of other versions or sources (a cold compile for this install);
+    ``directory``, the disk cache's folder."""
+    with _lock:
+        memory = sorted(_described.values())
+    disk, other = [], 0
+    directory = cache_dir()
+    stamp = _build_stamp()
+    for text in sorted(directory.glob("k*.txt")) if directory.is_dir() else ():
+        name = text.name[: -len(".txt")]
+        lines = text.read_text().splitlines()
+        if len(lines) == 2 and lines[1] == stamp and (directory / f"{name}.o").exists():
+            disk.append(lines[0])
+        else:
+            other += 1
+    return dict(memory=memory, disk=disk, disk_other=other, directory=str(directory))
 
 
 def clear_memory_cache() -> None:
     """Forget the compiled kernels of this process (the disk cache stays)."""
     with _lock:
         _cache.clear()
+        _described.clear()

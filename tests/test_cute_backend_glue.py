@@ -617,9 +617,10 @@ def test_precompile_sparse_configs(monkeypatch):
     monkeypatch.setattr(cute, "precompile_sparse", lambda *a: seen.append(a))
     x = SparseDecodeSchedule(split_fixed_cost=3)
     assert mla_cute.precompile([dict(sparse=True, s_q=2, h_q=128, attn_sink=True)], schedule=x) == 1
-    assert seen == [(2, 128, True, x, False, "V32")]
-    assert mla_cute.precompile([dict(sparse=True, s_q=1, h_q=64, topk_length=True, kv_format="V4")], schedule=x) == 1
-    assert seen[-1] == (1, 64, False, x, True, "V4")
+    assert seen == [(2, 128, True, x, False, "V32", False)]
+    assert mla_cute.precompile([dict(sparse=True, s_q=1, h_q=64, topk_length=True, kv_format="V4", extra_cache=True)],
+                               schedule=x) == 1
+    assert seen[-1] == (1, 64, False, x, True, "V4", True)
     with pytest.raises(ValueError, match="kv_format must be one of"):
         mla_cute.precompile([dict(sparse=True, s_q=2, h_q=128, kv_format="V5")])
     with pytest.raises(NotImplementedError, match="V41_FP4"):

@@ -40,7 +40,9 @@ def cache(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MLA_CUTE_CACHE_DIR", str(root))
     monkeypatch.delenv("MLA_CUTE_DISK_CACHE", raising=False)
     monkeypatch.setattr(jit, "_disk_name", lambda key: f"k{key}")
+    monkeypatch.setattr(jit, "_build_stamp", lambda: "this build")
     monkeypatch.setattr(jit, "_cache", {})
+    monkeypatch.setattr(jit, "_described", {})
     monkeypatch.setattr(jit, "_warned", set())
     loads = []
 
@@ -265,3 +267,20 @@ def test_disabled_disk_cache_touches_nothing(cache, monkeypatch):
     fn = FakeFn(b"A")
     assert compile_("a", fn) == (fn, 1)
     assert not root.exists() and loads == []
+
+
+def test_cache_info_names_the_warm_configurations(cache):
+    """Memory: what this process compiled or loaded; disk: the entries of this build, by their configuration;
+    entries of another build (or without a description) are counted apart."""
+    root, _ = cache
+    jit.cached_compile("a", lambda: FakeFn(b"a"), describe="sparse decode A")
+    info = jit.cache_info()
+    assert info["memory"] == ["sparse decode A (compiled)"] and info["disk"] == ["sparse decode A"]
+    assert info["disk_other"] == 0 and info["directory"] == str(root)
+    (root / "ka.txt").write_text("sparse decode A\nanother build\n")
+    (root / "kb.txt").write_text("dense decode B\nthis build\n")  # no object: not loadable
+    assert jit.cache_info()["disk"] == [] and jit.cache_info()["disk_other"] == 2
+    jit.clear_memory_cache()
+    (root / "ka.txt").write_text("sparse decode A\nthis build\n")
+    jit.cached_compile("a", lambda: pytest.fail("compiled again"), describe="sparse decode A")
+    assert jit.cache_info()["memory"] == ["sparse decode A (disk)"]

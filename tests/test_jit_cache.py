@@ -26,6 +26,9 @@ SCRIPT = textwrap.dedent(
     from mla_cute.schedules import SchedulerConfig
     fn = build.compile_scheduler(SchedulerConfig(fixed_cost=3))
     assert callable(fn), fn
+    import mla_cute
+    info = mla_cute.cache_info()
+    print("memory:", info["memory"], "disk:", info["disk"], "other:", info["disk_other"])
     """
 )
 
@@ -34,7 +37,7 @@ def _run(env, forbid_compile=False):
     env = dict(env, FORBID_COMPILE="1" if forbid_compile else "0")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stderr
+    return proc.stderr + proc.stdout
 
 
 def _env(cache):
@@ -57,10 +60,13 @@ def test_second_process_loads_from_disk(tmp_path):
     assert "compiling scheduler" in log_cold
     (obj,) = tmp_path.glob("*.o")
     _assert_entry_good(obj)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([obj.name, obj.stem + ".sum"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([obj.name, obj.stem + ".sum", obj.stem + ".txt"])
+    assert obj.with_suffix(".txt").read_text().startswith("scheduler SchedulerConfig(fixed_cost=3")
+    assert "(compiled)'] disk: ['scheduler SchedulerConfig(fixed_cost=3" in log_cold
     before = _snapshot(tmp_path)
     log_warm = _run(env, forbid_compile=True)
     assert "compiling" not in log_warm and "rebuilding" not in log_warm
+    assert "(disk)'] disk: ['scheduler" in log_warm and "other: 0" in log_warm  # cache_info: warm on disk
     assert _snapshot(tmp_path) == before, "a warm start must not rewrite the cache"
 
 

@@ -366,12 +366,12 @@ def replay_sparse_plan(meta, q, k_cache, indices, topk_length, attn_sink, block_
 
 
 def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_topk_length: bool = False,
-                      kv_format: str = "V32") -> None:
+                      kv_format: str = "V32", extra_cache: bool = False) -> None:
     """Every step and scheduler a sparse call of this configuration can resolve to (``sparse_precompile_steps``)."""
     from ..kernels.build import compile_scheduler, compile_sparse
 
     steps = sparse_precompile_steps(schedule, s_q=s_q, h_q=h_q, has_sink=has_sink, has_topk_length=has_topk_length,
-                                    kv_format=kv_format)
+                                    kv_format=kv_format, extra_cache=extra_cache)
     for step, _ in steps:
         compile_sparse(step)
     for scheduler in dict.fromkeys(sched for _, sched in steps):
