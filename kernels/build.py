@@ -3,9 +3,12 @@ config (``mla_cute.schedules.configs``) and keys the compile cache on it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import multiprocessing
+import os
 
-from ..jit import cached_compile, compile_options, prepare_dsl
+from ..jit import cached_compile, compile_options, disk_cache_enabled, is_warm, prepare_dsl
 
 prepare_dsl()
 
@@ -16,6 +19,55 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from ..schedules.configs import (CombineConfig, DenseStepConfig, SchedulerConfig,  # noqa: E402
                                  SparsePrefillConfig, SparseStepConfig)
 from .constants import D_QK, D_V, DTYPES  # noqa: E402
+
+
+# The compile functions ``compile_all`` builds in parallel, by name, and their cache keys' first field.
+_KINDS = {"compile_dense": "dense_decode", "compile_scheduler": "scheduler", "compile_sparse": "sparse_decode_fp8",
+          "compile_sparse_prefill": "sparse_prefill"}
+
+
+def compile_all(tasks) -> list:
+    """The compiled kernels of ``tasks``, ``(compile function of this module, config)`` pairs, in order (each
+    distinct one built once).  When
+    more than one is cold (in neither the memory nor the disk cache), those are built first at once, each in a
+    process of its own writing the disk cache, so a cold call costs its slowest kernel's compile rather than
+    their sum; the kernels then load from disk here.  Other functions (a test's stand-ins) run in order."""
+    unique = list(dict.fromkeys(tasks))
+    ours = all(getattr(fn, "builds_in_parallel", False) for fn, _ in unique)
+    if ours and disk_cache_enabled() and compile_jobs() > 1:
+        cold = [(fn.__name__, cfg) for fn, cfg in unique if not is_warm((_KINDS[fn.__name__], cfg, ""))]
+        if len(cold) > 1:
+            _build_in_processes(cold)
+    done = {task: task[0](task[1]) for task in unique}
+    return [done[task] for task in tasks]
+
+
+def compile_jobs() -> int:
+    """The processes ``compile_all`` may use: ``$MLA_CUTE_COMPILE_JOBS``, else the CPU count (1: no child
+    processes)."""
+    text = os.environ.get("MLA_CUTE_COMPILE_JOBS")
+    if text is None:
+        return os.cpu_count() or 1
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise ValueError(f"MLA_CUTE_COMPILE_JOBS must be an integer >= 1, got {text!r}")
+    return jobs
+
+
+def _build_in_processes(cold: list) -> None:
+    workers = min(len(cold), compile_jobs())
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA or DSL state inherited
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        for done in pool.map(_build_one, *zip(*cold)):
+            pass
+
+
+def _build_one(name: str, config) -> None:
+    """In a child process: build one kernel into the disk cache."""
+    globals()[name](config)
 
 
 def _sym(div: int = 1, width: int = 32):
@@ -105,7 +157,7 @@ def compile_dense(step: DenseStepConfig, options: str = ""):
             args = args[:5] + (_records(),) + args[5:]
         return cute.compile(kernel, *args, options=compile_options(options))
 
-    return cached_compile(("dense_decode", step, options), build, describe=f"dense decode {step}",
+    return cached_compile((_KINDS["compile_dense"], step, options), build, describe=f"dense decode {step}",
                           persistent=not options)
 
 
@@ -139,7 +191,7 @@ def compile_scheduler(config: SchedulerConfig, options: str = ""):
         )
         return cute.compile(SchedulerKernel(config), *args, options=compile_options(options))
 
-    return cached_compile(("scheduler", config, options), build, describe=f"scheduler {config}",
+    return cached_compile((_KINDS["compile_scheduler"], config, options), build, describe=f"scheduler {config}",
                           persistent=not options)
 
 
@@ -195,7 +247,7 @@ def compile_sparse(step: SparseStepConfig, options: str = ""):
                                        split.partials_16bit, split.max_logits, split.kv_format, split.extra_cache)
         return cute.compile(kernel, *args, options=compile_options(options))
 
-    return cached_compile(("sparse_decode_fp8", step, options), build, describe=f"sparse decode {step}",
+    return cached_compile((_KINDS["compile_sparse"], step, options), build, describe=f"sparse decode {step}",
                           persistent=not options)
 
 
@@ -225,5 +277,9 @@ def compile_sparse_prefill(config: SparsePrefillConfig, options: str = ""):
         return cute.compile(SparsePrefillKernel(config), *sparse_prefill_signature(config),
                             options=compile_options(options))
 
-    return cached_compile(("sparse_prefill", config, options), build, describe=f"sparse prefill {config}",
+    return cached_compile((_KINDS["compile_sparse_prefill"], config, options), build, describe=f"sparse prefill {config}",
                           persistent=not options)
+
+
+for _name in _KINDS:  # what compile_all may build in child processes (by name there)
+    globals()[_name].builds_in_parallel = True

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import multiprocessing
+import os
 import sys
 import time
 
@@ -66,12 +68,29 @@ def run(configs: list, jobs: int, build=_build, out=sys.stdout) -> float:
             print(f"[{i + 1}/{len(configs)}] {describe(cfg)}: {build(cfg):.1f} s", file=out, flush=True)
         return time.perf_counter() - t0
     context = multiprocessing.get_context("spawn")  # no forked CUDA or DSL state
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+    # Each process builds its configuration's kernels one after another (the jobs are the parallelism).
+    with _environment(MLA_CUTE_COMPILE_JOBS="1"), \
+            concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         futures = {pool.submit(build, cfg): cfg for cfg in configs}
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             print(f"[{done}/{len(configs)}] {describe(futures[future])}: {future.result():.1f} s", file=out,
                   flush=True)
     return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _environment(**values):
+    """``values`` in os.environ while the block runs (spawned processes inherit them)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main(argv=None) -> int:

@@ -238,7 +238,7 @@ def cached_compile(key: Hashable, build: Callable[[], Any], *, describe: str = "
         fn = _cache.get(key)
         if fn is not None:
             return fn
-        use_disk = persistent and os.environ.get("MLA_CUTE_DISK_CACHE", "1") != "0"
+        use_disk = persistent and disk_cache_enabled()
         name = _disk_name(key) if use_disk else None
         fn = _load_from_disk(name) if use_disk else None
         source = "disk"
@@ -253,6 +253,18 @@ def cached_compile(key: Hashable, build: Callable[[], Any], *, describe: str = "
         _cache[key] = fn
         _described[key] = f"{describe or key} ({source})"
     return fn
+
+
+def disk_cache_enabled() -> bool:
+    return os.environ.get("MLA_CUTE_DISK_CACHE", "1") != "0"
+
+
+def is_warm(key: Hashable) -> bool:
+    """Whether the kernel of ``key`` is compiled in this process or has an entry in the disk cache."""
+    if key in _cache:
+        return True
+    name = _disk_name(key)
+    return disk_cache_enabled() and (cache_dir() / f"{name}.o").exists() and (cache_dir() / f"{name}.sum").exists()
 
 
 def cache_info() -> dict:

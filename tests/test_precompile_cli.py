@@ -63,3 +63,46 @@ def test_importing_the_command_module_keeps_precompile_callable(monkeypatch):
     monkeypatch.setattr(cute, "precompile_sparse", lambda *a: seen.append(a))
     assert mla_cute.precompile is module and mla_cute.precompile([dict(sparse=True, s_q=1, h_q=64)]) == 1
     assert len(seen) == 1
+
+
+def _child_jobs(cfg):
+    import os
+
+    return float(os.environ.get("MLA_CUTE_COMPILE_JOBS", "0"))
+
+
+def test_parallel_jobs_build_their_kernels_serially(monkeypatch):
+    """With --jobs, each process builds its configuration's kernels itself (no nested process pools)."""
+    monkeypatch.delenv("MLA_CUTE_COMPILE_JOBS", raising=False)
+    out = io.StringIO()
+    cli.run(cli.SETS["deepseek-v3-dense"][:2], 2, build=_child_jobs, out=out)
+    assert all(line.endswith(": 1.0 s") for line in out.getvalue().splitlines())
+    import os
+
+    assert "MLA_CUTE_COMPILE_JOBS" not in os.environ
+
+
+@pytest.mark.compile  # imports the kernels' build module (the DSL)
+def test_compile_all_builds_cold_kernels_apart_only_when_allowed(monkeypatch):
+    import mla_cute.kernels.build as build
+    from mla_cute.schedules import SchedulerConfig
+
+    sent, built = [], []
+    monkeypatch.setattr(build, "_build_in_processes", lambda cold: sent.append(cold))
+    monkeypatch.setattr(build, "is_warm", lambda key: key[1].fixed_cost == 1)
+    real = build.compile_scheduler
+    monkeypatch.setattr(build, "compile_scheduler", lambda c, options="": built.append(c))
+    build.compile_scheduler.builds_in_parallel = True
+    build.compile_scheduler.__name__ = "compile_scheduler"
+    tasks = [(build.compile_scheduler, SchedulerConfig(fixed_cost=k)) for k in (1, 2, 3, 3)]
+    monkeypatch.setenv("MLA_CUTE_COMPILE_JOBS", "4")
+    build.compile_all(tasks)
+    assert sent == [[("compile_scheduler", SchedulerConfig(fixed_cost=2)), ("compile_scheduler", SchedulerConfig(fixed_cost=3))]]
+    assert built == [SchedulerConfig(fixed_cost=k) for k in (1, 2, 3)]  # each once, in order
+    monkeypatch.setenv("MLA_CUTE_COMPILE_JOBS", "1")
+    build.compile_all(tasks)
+    assert len(sent) == 1  # one job: everything here
+    monkeypatch.setenv("MLA_CUTE_COMPILE_JOBS", "many")
+    with pytest.raises(ValueError, match="MLA_CUTE_COMPILE_JOBS"):
+        build.compile_all(tasks)
+    assert real.builds_in_parallel

@@ -115,7 +115,7 @@ class DensePlan:
 
     def __init__(self, q, k_cache, block_table, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens,
                  host_lengths):
-        from ..kernels.build import compile_dense
+        from ..kernels.build import compile_all, compile_dense, compile_scheduler
 
         b, s_q, h_q, _ = q.shape
         page, h_kv = k_cache.shape[1], k_cache.shape[2]
@@ -127,9 +127,10 @@ class DensePlan:
         call = self.config = resolve_dense(schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=s_q, h_q=h_q,
                                            h_kv=h_kv, causal=causal, page=page, device=device_facts(q.device),
                                            host_lengths=host_lengths)
-        self.step = compile_dense(call.capture_step)
-        if call.step != call.capture_step:
-            self.step = compile_dense(call.step)
+        # The capture step too (for a CUDA graph captured later) and the scheduler (run below): any of them that
+        # are cold build at once.
+        _, self.step = compile_all([(compile_dense, call.capture_step), (compile_dense, call.step),
+                                    (compile_scheduler, call.scheduler)])[:2]
         self.o_accum, self.lse_accum = _split_workspace(
             meta, cache_seqlens, block_table.shape[1] * page, call.parts, call.scheduler, b, h_kv,
             s_q * (h_q // h_kv), q.device)
@@ -192,15 +193,12 @@ def replay_dense(plan: DensePlan, q, k_cache, block_table, cache_seqlens, meta, 
 
 def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeSchedule) -> None:
     """Every step and scheduler a call of this configuration can resolve to (``dense_precompile_steps``)."""
-    from ..kernels.build import compile_dense, compile_scheduler
+    from ..kernels.build import compile_all, compile_dense, compile_scheduler
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     steps = dense_precompile_steps(schedule, dtype=str(dtype).replace("torch.", ""), s_q=s_q, h_q=h_q, h_kv=h_kv,
                                    causal=causal, page=page, device=device_facts(device))
-    for step, scheduler in steps:
-        compile_dense(step)
-    for scheduler in dict.fromkeys(sched for _, sched in steps):
-        compile_scheduler(scheduler)
+    compile_all([(compile_dense, step) for step, _ in steps] + [(compile_scheduler, sched) for _, sched in steps])
 
 
 # ---------------------------------------------------------------- sparse FP8 decode
@@ -259,7 +257,7 @@ class SparsePlan:
 
     def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta,
                  kv_format: str = "V32", extra=None):
-        from ..kernels.build import compile_sparse
+        from ..kernels.build import compile_all, compile_scheduler, compile_sparse
 
         b, s_q, h_q, _ = q.shape
         self.schedule, self.b, self.s_q, self.h_q, self.has_sink, self.dtype = schedule, b, s_q, h_q, has_sink, q.dtype
@@ -283,9 +281,8 @@ class SparsePlan:
             schedule, b=b, s_q=s_q, h_q=h_q, topk=total, has_sink=has_sink, has_topk_length=given or extra is not None,
             device=device_facts(q.device), capturing=q.is_cuda and torch.cuda.is_current_stream_capturing(),
             kv_format=kv_format, extra_cache=extra is not None)
-        self.step = compile_sparse(call.capture_step)
-        if call.step != call.capture_step:
-            self.step = compile_sparse(call.step)
+        _, self.step = compile_all([(compile_sparse, call.capture_step), (compile_sparse, call.step),
+                                    (compile_scheduler, call.scheduler)])[:2]
         partials = q.dtype if call.step.split.partials_16bit else torch.float32
         self.o_accum, self.lse_accum = _split_workspace(
             meta, lengths.clamp(1, total), total, call.parts, call.scheduler, b, 1, s_q * h_q, q.device, partials)
@@ -368,14 +365,11 @@ def replay_sparse_plan(meta, q, k_cache, indices, topk_length, attn_sink, block_
 def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_topk_length: bool = False,
                       kv_format: str = "V32", extra_cache: bool = False) -> None:
     """Every step and scheduler a sparse call of this configuration can resolve to (``sparse_precompile_steps``)."""
-    from ..kernels.build import compile_scheduler, compile_sparse
+    from ..kernels.build import compile_all, compile_scheduler, compile_sparse
 
     steps = sparse_precompile_steps(schedule, s_q=s_q, h_q=h_q, has_sink=has_sink, has_topk_length=has_topk_length,
                                     kv_format=kv_format, extra_cache=extra_cache)
-    for step, _ in steps:
-        compile_sparse(step)
-    for scheduler in dict.fromkeys(sched for _, sched in steps):
-        compile_scheduler(scheduler)
+    compile_all([(compile_sparse, step) for step, _ in steps] + [(compile_scheduler, sched) for _, sched in steps])
 
 
 # ---------------------------------------------------------------- sparse prefill
