@@ -39,6 +39,8 @@ _source_hash: str | None = None
 _warned: set = set()  # what has been reported once already (bad entries, unwritable directories)
 _STALE_TMP_S = 3600  # a temporary file this old belongs to a writer that died
 _PACKAGE_DIR = Path(__file__).resolve().parent
+# Kernels a wheel carries (``setup.py``, ``MLA_CUTE_BUNDLE_KERNELS``): entries like the disk cache's, found first.
+PACKAGED = _PACKAGE_DIR / "_kernels"
 
 
 def prepare_dsl() -> None:
@@ -112,6 +114,7 @@ def _runtime_versions() -> tuple:
 
 
 def _disk_name(key: Hashable) -> str:
+    prepare_dsl()
     import cutlass
 
     text = repr((key, cutlass.__version__, _runtime_versions(), _target_arch(), _sources_hash()))
@@ -120,6 +123,7 @@ def _disk_name(key: Hashable) -> str:
 
 def _build_stamp() -> str:
     """The versions, arch and sources an entry's name is hashed with besides its key (``_disk_name``)."""
+    prepare_dsl()  # the arch a compile here targets (sm_90a without a GPU), as the kernels' import sets it
     import cutlass
 
     return repr((cutlass.__version__, _runtime_versions(), _target_arch(), _sources_hash()))
@@ -162,9 +166,11 @@ def _entry_problem(obj: Path, side: Path) -> str | None:
     return None
 
 
-def _load_from_disk(name: str):
-    """The cached function ``name``, or None (absent, or bad: then reported once, to be rebuilt)."""
-    obj, side = cache_dir() / f"{name}.o", cache_dir() / f"{name}.sum"
+def _load_from_disk(name: str, directory: Path | None = None):
+    """The cached function ``name`` of ``directory`` (the disk cache's by default), or None (absent, or bad: then
+    reported once, to be rebuilt)."""
+    directory = cache_dir() if directory is None else directory
+    obj, side = directory / f"{name}.o", directory / f"{name}.sum"
     if not obj.exists() and not side.exists():
         return None
     problem = _entry_problem(obj, side)
@@ -230,7 +236,8 @@ def _report(msg: str) -> None:
 
 
 def cached_compile(key: Hashable, build: Callable[[], Any], *, describe: str = "", persistent: bool = True) -> Any:
-    """The compiled kernel for ``key``: from memory, else from disk, else ``build()`` (then saved)."""
+    """The compiled kernel for ``key``: from memory, else the package's kernels, else the disk cache, else
+    ``build()`` (then saved to the disk cache)."""
     fn = _cache.get(key)
     if fn is not None:
         return fn
@@ -240,8 +247,11 @@ def cached_compile(key: Hashable, build: Callable[[], Any], *, describe: str = "
             return fn
         use_disk = persistent and disk_cache_enabled()
         name = _disk_name(key) if use_disk else None
-        fn = _load_from_disk(name) if use_disk else None
-        source = "disk"
+        fn, source = None, "package"
+        if persistent:
+            fn = _load_from_disk(_disk_name(key), PACKAGED) if PACKAGED.is_dir() else None
+        if fn is None:
+            fn, source = (_load_from_disk(name) if use_disk else None), "disk"
         if fn is None:
             _report(f"compiling {describe or key} ...")
             t0 = time.perf_counter()
@@ -260,32 +270,40 @@ def disk_cache_enabled() -> bool:
 
 
 def is_warm(key: Hashable) -> bool:
-    """Whether the kernel of ``key`` is compiled in this process or has an entry in the disk cache."""
+    """Whether the kernel of ``key`` is compiled in this process or has an entry in the package or the disk cache."""
     if key in _cache:
         return True
     name = _disk_name(key)
+    if (PACKAGED / f"{name}.o").exists() and (PACKAGED / f"{name}.sum").exists():
+        return True
     return disk_cache_enabled() and (cache_dir() / f"{name}.o").exists() and (cache_dir() / f"{name}.sum").exists()
 
 
 def cache_info() -> dict:
     """Which kernel configurations are warm: ``memory``, this process's compiled kernels (each described by
-    its configuration and whether it was compiled here or loaded from disk); ``disk``, the entries of the disk
-    cache (``cache_dir``) built for this DSL, arch and kernel sources (loadable without compiling), each by its
-    configuration; ``disk_other``, entries of other versions or sources (a cold compile for this install);
-    ``directory``, the disk cache's folder."""
+    its configuration and where it came from: compiled here, the disk cache, the package); ``disk`` and
+    ``package``, the entries of the disk cache (``cache_dir``) and of the installed package (a wheel built with
+    ``MLA_CUTE_BUNDLE_KERNELS``) built for this DSL, arch and kernel sources (loadable without compiling), each by
+    its configuration; ``disk_other``, the disk cache's entries of other versions or sources (a cold compile
+    for this install); ``directory``, the disk cache's folder."""
     with _lock:
         memory = sorted(_described.values())
-    disk, other = [], 0
-    directory = cache_dir()
     stamp = _build_stamp()
+    disk, other = _entries(cache_dir(), stamp)
+    package, _ = _entries(PACKAGED, stamp)
+    return dict(memory=memory, disk=disk, disk_other=other, package=package, directory=str(cache_dir()))
+
+
+def _entries(directory: Path, stamp: str) -> tuple:
+    """The configurations of ``directory``'s entries built with ``stamp``, and the count of the others."""
+    current, other = [], 0
     for text in sorted(directory.glob("k*.txt")) if directory.is_dir() else ():
-        name = text.name[: -len(".txt")]
         lines = text.read_text().splitlines()
-        if len(lines) == 2 and lines[1] == stamp and (directory / f"{name}.o").exists():
-            disk.append(lines[0])
+        if len(lines) == 2 and lines[1] == stamp and text.with_suffix(".o").exists():
+            current.append(lines[0])
         else:
             other += 1
-    return dict(memory=memory, disk=disk, disk_other=other, directory=str(directory))
+    return current, other
 
 
 def clear_memory_cache() -> None:

@@ -284,3 +284,48 @@ def test_cache_info_names_the_warm_configurations(cache):
     (root / "ka.txt").write_text("sparse decode A\nthis build\n")
     jit.cached_compile("a", lambda: pytest.fail("compiled again"), describe="sparse decode A")
     assert jit.cache_info()["memory"] == ["sparse decode A (disk)"]
+
+
+def test_packaged_kernels_load_before_the_disk_cache(cache, tmp_path, monkeypatch):
+    """A wheel's kernels (``jit.PACKAGED``) load first, by the disk cache's entry name; a damaged one is reported
+    and passed over; ``cache_info`` lists the package's entries of this build."""
+    root, loads = cache
+    package = tmp_path / "package"
+    monkeypatch.setattr(jit, "PACKAGED", package)
+    jit.cached_compile("p", lambda: FakeFn(b"p"), describe="dense decode P")  # an entry, in the disk cache
+    package.mkdir()
+    for suffix in (".o", ".sum", ".txt"):
+        (package / f"kp{suffix}").write_bytes((root / f"kp{suffix}").read_bytes())
+        (root / f"kp{suffix}").unlink()
+    jit.clear_memory_cache()
+    fn = jit.cached_compile("p", lambda: pytest.fail("compiled although packaged"), describe="dense decode P")
+    assert loads == [package / "kp.o"] and fn.data.startswith(b"p:kp:")
+    info = jit.cache_info()
+    assert info["package"] == ["dense decode P"] and info["disk"] == [] and info["memory"] == ["dense decode P (package)"]
+    assert jit.is_warm("p")
+    (package / "kp.o").write_bytes(b"not the object")  # damaged: reported, then compiled into the disk cache
+    jit.clear_memory_cache()
+    jit.cached_compile("p", lambda: FakeFn(b"q"), describe="dense decode P")
+    assert (root / "kp.o").read_bytes().startswith(b"q:kp:")
+
+
+def test_wheel_hook_bundles_named_sets(tmp_path, monkeypatch):
+    """setup.py's hook runs ``python -m mla_cute.precompile`` into the wheel's ``_kernels`` and keeps whole entries."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("setup_hook", Path(__file__).parents[1] / "setup.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)  # defines the hook; setup() runs only as __main__
+    ran = []
+
+    def run(cmd, env, check):
+        ran.append((cmd, env["MLA_CUTE_CACHE_DIR"], check))
+        for name in ("ka.o", "ka.sum", "ka.txt", "kb.1.tmp.o", "stray.log"):
+            (tmp_path / name).write_text("x")
+
+    hook.bundle_kernels(tmp_path, "deepseek-v32-sparse", "4", run=run)
+    assert ran == [([sys.executable, "-m", "mla_cute.precompile", "--sets", "deepseek-v32-sparse", "--jobs", "4"],
+                    str(tmp_path), True)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ka.o", "ka.sum", "ka.txt"]
