@@ -159,10 +159,11 @@ def test_non_contiguous_q():
     run_and_check(case)
 
 
-def test_cuda_graph_replays_sparse_step():
+@pytest.mark.parametrize("fmt", ["V32", "V4", "V41"])
+def test_cuda_graph_replays_sparse_step(fmt):
     import mla_cute
 
-    case = make_sparse_case(16, 2, 128, 2048, 1024, 64, seed=17)
+    case = make_sparse_case(16, 2, 128, 2048, 1024, 64, seed=17, kv_format=fmt)
     meta, _ = mla_cute.get_mla_metadata()
     call = lambda: mla_cute.flash_mla_with_kvcache(  # noqa: E731
         block_table=None, cache_seqlens=None, head_dim_v=512, tile_scheduler_metadata=meta, is_fp8_kvcache=True,
@@ -175,7 +176,7 @@ def test_cuda_graph_replays_sparse_step():
     with torch.cuda.graph(graph):
         out, lse = call()
     for seed in (21, 22):
-        fresh = make_sparse_case(16, 2, 128, 2048, 1024, 64, seed=seed)
+        fresh = make_sparse_case(16, 2, 128, 2048, 1024, 64, seed=seed, kv_format=fmt)
         for k in ("q", "k_cache", "indices"):
             case[k].copy_(fresh[k])
         graph.replay()

@@ -1,15 +1,15 @@
 """The sparse decode kernel on the d_qk-512 cache formats (V32_NO_ROPE, V4, V41, V41_PAGED) against the reference on the
 dequantized cache: FlashMLA's sparse grid thinned to three shapes, each kernel variant, head counts below 64,
-topk_length and sinks, invalid and out-of-range indices, the fp16 operand range's ends, metadata reuse and a
-CUDA graph replay."""
+topk_length and sinks, invalid and out-of-range indices, the fp16 operand range's ends, metadata reuse (the CUDA
+graph replay: test_sparse_decode_gpu.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpu_cases import assert_close_flashmla, make_sparse_case
-from test_sparse_decode_gpu import LSE_ABS, LSE_REL, OUT_ABS, OUT_COS, OUT_REL, WHOLE_TILE, run_and_check
+from gpu_cases import make_sparse_case
+from test_sparse_decode_gpu import WHOLE_TILE, run_and_check
 
 pytestmark = pytest.mark.gpu
 
@@ -65,36 +65,6 @@ def test_format_fp16_operand_range_ends(fmt, crossover, kv_scale, q_scale):
                                    kv_format=fmt),
                   force=None if crossover else WHOLE_TILE, expect=dict(crossover=crossover),
                   magnitude_tol=kv_scale > 1)
-
-
-@pytest.mark.parametrize("fmt", ["V4", "V41"])
-def test_format_cuda_graph_replay(fmt):
-    import mla_cute
-
-    case = make_sparse_case(16, 2, 128, 2048, 1024, 64, seed=17, kv_format=fmt)
-    meta, _ = mla_cute.get_mla_metadata()
-    call = lambda: mla_cute.flash_mla_with_kvcache(  # noqa: E731
-        block_table=None, cache_seqlens=None, head_dim_v=512, tile_scheduler_metadata=meta, is_fp8_kvcache=True,
-        backend="cute", **case,
-    )
-    call()  # compile outside the capture
-    meta, _ = mla_cute.get_mla_metadata()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = call()
-    for seed in (21, 22):
-        fresh = make_sparse_case(16, 2, 128, 2048, 1024, 64, seed=seed, kv_format=fmt)
-        for k in ("q", "k_cache", "indices"):
-            case[k].copy_(fresh[k])
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(
-            block_table=None, cache_seqlens=None, head_dim_v=512,
-            tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], is_fp8_kvcache=True, backend="reference", **case,
-        )
-        assert_close_flashmla("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS)
-        assert_close_flashmla("lse", lse, ref_lse, LSE_ABS, LSE_REL)
 
 
 def test_metadata_serves_one_format():
