@@ -9,6 +9,7 @@ from .api import (
     use_schedule,
 )
 from .backend import select_backend
+from .distributed import merge_partial_attention
 from .fp8 import FP8_BYTES_PER_TOKEN
 from .jit import cache_info
 from .kv_formats import dequantize_kv_cache, quantize_kv_cache, write_kv_cache
@@ -27,5 +28,6 @@ __all__ = [
     "select_backend",
     "precompile",
     "cache_info",
+    "merge_partial_attention",
     "use_schedule",
 ]
