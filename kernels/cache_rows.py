@@ -68,9 +68,13 @@ class CacheRows:
     def load(self, raw, k, src, blk_id, off):
         """Start this thread's loads of token ``off`` of block ``blk_id`` into ``raw[None, :, k]``."""
         row = src.mCache[blk_id, off, None]
-        lane = src.lane
         for m in cutlass.range_constexpr(LATENT_PIECES):
-            cute.autovec_copy(cute.local_tile(row, (WORDS,), (m * 8 + lane,)), raw[None, m, k])
+            cute.autovec_copy(cute.local_tile(row, (WORDS,), (m * 8 + src.lane,)), raw[None, m, k])
+        self.load_scales(raw, k, src, blk_id, off, row)
+
+    @cute.jit
+    def load_scales(self, raw, k, src, blk_id, off, row):
+        """The token's scales into the scale slot: the 16 bytes after its 512 latent bytes."""
         cute.autovec_copy(cute.local_tile(row, (WORDS,), (512 // PIECE,)), raw[None, SCALE_SLOT, k])
 
     def piece_lanes(self, m: int) -> int:
@@ -110,38 +114,38 @@ def ue8m0_scale(word, byte):
 
 class V41Rows(CacheRows):
     whole_tile_rows_in_flight = 2
+
     @cute.jit
     def scale(self, raw, k, m, lane):
         # Byte 4 m + l / 2 of the 16: word m, byte l / 2.
         return ue8m0_scale(raw[m, SCALE_SLOT, k], lane >> 1)
 
 
-class V41PagedRows(V41Rows):
-    row_bytes = 512  # the data row; the 16-byte scale rows follow the page's data rows
+class PageBlocked:
+    """A page-blocked format's scale rows: ``scale_words`` words a token, after the page's data rows."""
+
+    scale_words = WORDS
 
     def scale_view(self, mCache):
-        """Scale row t of block b: 4 words at word 128 page + 4 t of the block."""
+        """Scale row t of block b: ``scale_words`` words at word (data row words) page + (scale_words) t."""
         page = mCache.shape[1]
-        layout = cute.make_layout((mCache.shape[0], page, WORDS), stride=(mCache.stride[0], WORDS, 1))
+        words = self.scale_words
+        layout = cute.make_layout((mCache.shape[0], page, words), stride=(mCache.stride[0], words, 1))
         return cute.make_tensor(mCache.iterator + cute.assume(page * self.row_words, divby=16), layout)
 
+
+class V41PagedRows(PageBlocked, V41Rows):
+    row_bytes = 512  # the data row; the 16-byte scale rows follow the page's data rows
+
     @cute.jit
-    def load(self, raw, k, src, blk_id, off):
-        row = src.mCache[blk_id, off, None]
-        for m in cutlass.range_constexpr(LATENT_PIECES):
-            cute.autovec_copy(cute.local_tile(row, (WORDS,), (m * 8 + src.lane,)), raw[None, m, k])
+    def load_scales(self, raw, k, src, blk_id, off, row):
         cute.autovec_copy(src.scales[blk_id, off, None], raw[None, SCALE_SLOT, k])
 
 
-class V4Rows(CacheRows):
+class V4Rows(PageBlocked, CacheRows):
     row_bytes = 576  # the data row (448 e4m3 + 64 bf16); the 8-byte scale rows follow the page's data rows
     rope_col = 448
-
-    def scale_view(self, mCache):
-        """Scale row t of block b: 2 words at word 144 page + 2 t of the block."""
-        page = mCache.shape[1]
-        layout = cute.make_layout((mCache.shape[0], page, 2), stride=(mCache.stride[0], 2, 1))
-        return cute.make_tensor(mCache.iterator + cute.assume(page * self.row_words, divby=16), layout)
+    scale_words = 2
 
     def piece_lanes(self, m: int) -> int:
         return 4 if m == 3 else 8

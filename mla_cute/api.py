@@ -549,8 +549,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         sched = _resolve_schedule(cfg.get("schedule", default), kind)
         if sparse:
             fmt = format_of(None, cfg.get("kv_format", "V32"), "kv_format")
-            if fmt == "V41_FP4":
-                raise NotImplementedError(f"precompile config {i}: the 'cute' sparse kernel does not read V41_FP4")
+            cute.check_kernel_format(fmt, f"precompile config {i}")
             cute.precompile_sparse(cfg["s_q"], cfg["h_q"], bool(cfg.get("attn_sink", False)), sched,
                                    bool(cfg.get("topk_length", False)), fmt, bool(cfg.get("extra_cache", False)))
             count += 1

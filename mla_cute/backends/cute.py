@@ -206,9 +206,7 @@ def check_sparse_supported(k_cache: torch.Tensor, kv_format: str = "V32", name: 
     """The sparse kernel reads a token's bytes with 16-byte loads: rows packed within a page (V4: the page's
     data and scale rows from its base, the 584-byte rows formal), 16-byte aligned (``name``: the argument, for
     the errors)."""
-    if kv_format == "V41_FP4":
-        raise NotImplementedError(f"{name}: the 'cute' sparse kernel does not read V41_FP4 caches "
-                                  "(backend='reference' does)")
+    check_kernel_format(kv_format, name)
     row = BYTES_PER_TOKEN[kv_format]
     if k_cache.stride(3) != 1 or k_cache.stride(1) != row:
         raise NotImplementedError(
@@ -220,6 +218,13 @@ def check_sparse_supported(k_cache: torch.Tensor, kv_format: str = "V32", name: 
                if kv_format in PAGE_BLOCKED else "")
         raise NotImplementedError(f"{name}: the 'cute' sparse kernel needs a 16-byte aligned base and block stride, "
                                   f"got block stride {k_cache.stride(0)}{pad}")
+
+
+def check_kernel_format(kv_format: str, name: str) -> None:
+    """The formats the sparse kernel reads: every one but V41_FP4 (``name``: what the error names)."""
+    if kv_format == "V41_FP4":
+        raise NotImplementedError(f"{name}: the 'cute' sparse kernel does not read V41_FP4 caches "
+                                  "(backend='reference' does)")
 
 
 def check_extra_cache_supported(k_cache: torch.Tensor, extra_k_cache: torch.Tensor, kv_format: str,
