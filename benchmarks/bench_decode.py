@@ -48,17 +48,23 @@ def bench(fn, warmup=REPS["warmup"], rep=REPS["rep"]):
 
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
     except ImportError:  # same idea with CUDA events: ms, median of many runs
-        for _ in range(10):
-            fn()
-        times = []
-        for _ in range(100):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return statistics.median(times)
+        return event_median(fn)
+
+
+def event_median(fn, warmup: int = 10, runs: int = 100) -> float:
+    """ms of one call: CUDA events around each of ``runs`` calls (waiting for each), after ``warmup``; the
+    median.  The host's work counts where the GPU waits for it."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
 
 
 def warm_gpu(seconds: float = 0.5) -> None:

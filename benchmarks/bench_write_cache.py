@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
 import mla_cute
+from bench_decode import event_median
 from mla_cute.kv_formats import HEAD_DIM
 
 ROWS = [(fmt, b, s_q) for fmt in ("V32", "V4", "V41", "V41_FP4") for b, s_q in ((2, 1), (128, 2))]
@@ -31,17 +31,8 @@ def time_row(fmt, b, s_q):
     rows = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
     slots = torch.randperm(nb * PAGE, device="cuda")[:n].to(torch.int32)
     call = lambda: mla_cute.write_kv_cache(cache, rows, slots, kv_format=fmt)  # noqa: E731
-    for _ in range(5):
-        call()
-    times = []
-    for _ in range(50):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    return dict(kv_format=fmt, b=b, s_q=s_q, rows=n, us=statistics.median(times))
+    us = event_median(call, warmup=5, runs=50) * 1e3
+    return dict(kv_format=fmt, b=b, s_q=s_q, rows=n, us=us)
 
 
 def main():

@@ -2,7 +2,7 @@
 
 The cache format is the config's ``kv_format`` (``cache_rows.py``: a token's loads and dequantization); the
 plan below is V32's (656-byte rows, d_qk 576, a bf16 RoPE block of 64 columns); the d_qk-512 formats
-(V32_NO_ROPE, V4, V41) have no RoPE block (the same storage; Q and S span 512 columns, and V4's RoPE values
+(V32_NO_ROPE, V4, V41, V41_PAGED) have no RoPE block (the same storage; Q and S span 512 columns, and V4's RoPE values
 are columns 448-511, fp16), and give registers 152 / 192 / 160.  With ``extra_cache`` a request's tiles run
 over its main tokens, then over the extra cache's (``sparse_tiles.py``): the producer's indices name rows of
 either cache, the consumers see one request.
@@ -143,7 +143,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # tile), 4 again with producer halves (half the threads a tile).
         self.rounds = ROUNDS // 2 if self.crossover and not self.halves else ROUNDS
         # Rows a producer thread loads before converting them: all of its rows of a tile (144 registers).
-        # V41's whole-tile gather converts two at a time (its per-lane ue8m0 scales spill at four), and so does
+        # V41's (and V41_PAGED's) whole-tile gather converts two at a time (its per-lane ue8m0 scales spill at four), and so does
         # a d_qk-512 format's whole-tile gather from two caches (the second cache's addresses: it spills 28-56
         # bytes at four rows, 36 at two; V32's, at 144 registers, spills none at four).
         self.rows_in_flight = self.rounds
@@ -171,7 +171,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     def __call__(
         self,
         mQ: cute.Tensor,  # [b, s_q, h_q, d_qk] bf16
-        mCache: cute.Tensor,  # [num_blocks, page, row_bytes / 4] int32 (V4: the data rows; the scales follow)
+        mCache: cute.Tensor,  # [num_blocks, page, row_bytes / 4] int32 (page-blocked: the data rows; scales follow)
         mIndices: cute.Tensor,  # [b, s_q, topk] int32
         mTopkLen: cute.Tensor,  # [b] int32, or None: every request attends to topk tokens
         mExtraCache: cute.Tensor,  # with ``extra_cache``: the extra cache's rows as mCache's, else None
@@ -253,7 +253,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         tma_atom_q: cute.CopyAtom,
         tma_q: cute.Tensor,
         mCache: cute.Tensor,
-        mScales: cute.Tensor,  # V4's scale rows, else None
+        mScales: cute.Tensor,  # a page-blocked format's scale rows (V4, V41_PAGED), else None
         mIndices: cute.Tensor,
         mTopkLen: cute.Tensor,
         mExtraCache: cute.Tensor,
@@ -882,7 +882,7 @@ class RowSource:
     requests (``work``), and the thread's place in a tile (first row ``row0``, 16-byte piece ``lane``)."""
 
     mCache: Any  # [num_blocks, page, row words] int32
-    scales: Any  # V4's scale rows [num_blocks, page, 2] int32, else None
+    scales: Any  # a page-blocked format's scale rows [num_blocks, page, words] int32, else None
     mIndices: Any
     lengths: Any  # ``RequestLengths``
     s_idx: Any
