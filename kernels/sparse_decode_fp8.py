@@ -143,9 +143,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         # tile), 4 again with producer halves (half the threads a tile).
         self.rounds = ROUNDS // 2 if self.crossover and not self.halves else ROUNDS
         # Rows a producer thread loads before converting them: all of its rows of a tile (144 registers).
-        # V41's (and V41_PAGED's) whole-tile gather converts two at a time (its per-lane ue8m0 scales spill at four), and so does
-        # a d_qk-512 format's whole-tile gather from two caches (the second cache's addresses: it spills 28-56
-        # bytes at four rows, 36 at two; V32's, at 144 registers, spills none at four).
+        # V41's (and V41_PAGED's) whole-tile gather converts two at a time (its per-lane ue8m0 scales spill at
+        # four), and so does a d_qk-512 format's whole-tile gather from two caches (the second cache's addresses:
+        # it spills 28-56 bytes at four rows, 36 at two; V32's, at 144 registers, spills none at four).
         self.rows_in_flight = self.rounds
         if not self.crossover:
             self.rows_in_flight = self.rows.whole_tile_rows_in_flight
