@@ -17,13 +17,13 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor  # noqa: E402
 
 from ..schedules.configs import (CombineConfig, DenseStepConfig, SchedulerConfig,  # noqa: E402
-                                 SparsePrefillConfig, SparseStepConfig)
+                                 SparsePrefillConfig, SparseStepConfig, WriteCacheConfig)
 from .constants import D_QK, D_V, DTYPES  # noqa: E402
 
 
 # The compile functions ``compile_all`` builds in parallel, by name, and their cache keys' first field.
 _KINDS = {"compile_dense": "dense_decode", "compile_scheduler": "scheduler", "compile_sparse": "sparse_decode_fp8",
-          "compile_sparse_prefill": "sparse_prefill"}
+          "compile_sparse_prefill": "sparse_prefill", "compile_write_cache": "write_cache"}
 
 
 def compile_all(tasks) -> list:
@@ -278,6 +278,32 @@ def compile_sparse_prefill(config: SparsePrefillConfig, options: str = ""):
                             options=compile_options(options))
 
     return cached_compile((_KINDS["compile_sparse_prefill"], config, options), build, describe=f"sparse prefill {config}",
+                          persistent=not options)
+
+
+def write_cache_signature(config: WriteCacheConfig):
+    """Fake tensors matching ``WriteCacheKernel.__call__``: 16-byte aligned rows, the pages as int32 words."""
+    from .write_cache import ROW_TYPES
+
+    dtype = ROW_TYPES[config.dtype]
+    d = 576 if config.kv_format == "V32" else 512
+    per_vector = 16 // (dtype.width // 8)
+    rows = make_fake_tensor(dtype, (_sym(), d), (_sym(per_vector, 64), 1), assumed_align=16)
+    slot_type = cutlass.Int64 if config.slot_dtype == "int64" else cutlass.Int32
+    slots = make_fake_compact_tensor(slot_type, (_sym(),), assumed_align=slot_type.width // 8)
+    pages = make_fake_tensor(cutlass.Int32, (_sym(), _sym()), (_sym(4, 64), 1), assumed_align=16)
+    return rows, slots, pages, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def compile_write_cache(config: WriteCacheConfig, options: str = ""):
+    """The compiled cache writer (``kernels/write_cache.py``)."""
+
+    def build():
+        from .write_cache import WriteCacheKernel
+
+        return cute.compile(WriteCacheKernel(config), *write_cache_signature(config), options=compile_options(options))
+
+    return cached_compile((_KINDS["compile_write_cache"], config, options), build, describe=f"cache writer {config}",
                           persistent=not options)
 
 

@@ -8,7 +8,14 @@ Byte layout of one token:
 A power-of-two scale makes ``fp8 * scale`` exact in bf16, so a dequantized cache is a
 fixed point: ``dequantize(quantize(y)) == y`` for ``y = dequantize(quantize(x))``.  (The
 bytes can differ: a tile whose largest value rounds down to 224 * scale gets half the
-scale the second time, with the same values.)  The scale rule is FlashMLA's.
+scale the second time, with the same values.)
+
+The scale rule is FlashMLA's, made exact: a tile's scale is 2^e, e the least integer >= -13
+with amax <= 448 * 2^e (FlashMLA's ``2^ceil(log2(max(amax / 448, 1e-4)))`` without the
+rounding of the division and the logarithm, which differs between CPU and GPU and from the
+exact rule for a tile whose amax / 448 lies within a few ulps above a power of two).  A NaN
+value's byte is 0x7F; a tile holding NaN has scale NaN (fp32 0x7FC00000), one holding inf
+(no NaN) scale inf: its finite values become +-0, its infinities NaN.
 """
 
 from __future__ import annotations
@@ -21,7 +28,6 @@ D_ROPE = 64
 TILE = 128
 NUM_TILES = D_LATENT // TILE
 FP8_BYTES_PER_TOKEN = D_LATENT + NUM_TILES * 4 + D_ROPE * 2  # 656
-_FP8_MAX = 448.0
 
 
 def _check_cache(name: str, t: torch.Tensor, last: int, dtypes: tuple) -> None:
@@ -33,23 +39,45 @@ def _check_cache(name: str, t: torch.Tensor, last: int, dtypes: tuple) -> None:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
 
 
+def scale_exponents(tiles: torch.Tensor) -> torch.Tensor:
+    """Per tile (the last dim, fp32) the scale's exponent e (fp32; NaN where the tile holds NaN, inf where it
+    holds inf and no NaN): with amax = 1.f 2^(b - 127), amax <= 448 * 2^k iff k >= b - 135 + (1.f > 1.75)."""
+    amax = tiles.abs().amax(dim=-1)
+    bits = amax.view(torch.int32)
+    k = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    e = torch.clamp_min(k, -13).to(torch.float32)
+    return torch.where(torch.isnan(amax), torch.nan, torch.where(torch.isinf(amax), torch.inf, e))
+
+
+def e4m3_tiles(tiles: torch.Tensor):
+    """Tiles (last dim, fp32) over their scales 2^e as e4m3 bytes (uint8, NaN 0x7F), and the exponents e."""
+    e = scale_exponents(tiles)
+    v = tiles / torch.pow(2.0, e).unsqueeze(-1)
+    q = v.to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(torch.isnan(v), 0x7F, q.to(torch.int32)).to(torch.uint8), e
+
+
+def fp32_scales(e: torch.Tensor) -> torch.Tensor:
+    """The fp32 scales 2^e as bytes [..., 4 a scale] (NaN 0x7FC00000)."""
+    bits = torch.pow(2.0, e).contiguous().view(torch.int32)
+    return torch.where(torch.isnan(e), 0x7FC00000, bits).contiguous().view(torch.uint8).reshape(*e.shape[:-1], -1)
+
+
 def quantize_kv_cache(k_cache: torch.Tensor) -> torch.Tensor:
     """Quantize a 16-bit cache ``[num_blocks, page, 1, 576]`` into the 656-byte FP8 layout.
 
     Returns a ``torch.float8_e4m3fn`` tensor ``[num_blocks, page, 1, 656]`` (view it as
-    uint8 where raw bytes are needed).  Scale per 128 latent values:
-    ``2 ** ceil(log2(amax / 448))`` (amax clamped to 1e-4 * 448 so all-zero tiles work).
+    uint8 where raw bytes are needed).  Scale per 128 latent values: amax / 448 rounded up to
+    a power of two, at least 2^-13 (so all-zero tiles work).
     """
     _check_cache("k_cache", k_cache, D_QK, (torch.bfloat16, torch.float16, torch.float32))
     nb, page = k_cache.shape[0], k_cache.shape[1]
     x = k_cache.reshape(nb, page, D_QK)
     out = torch.empty(nb, page, FP8_BYTES_PER_TOKEN, dtype=torch.uint8, device=k_cache.device)
     latent = x[..., :D_LATENT].float().reshape(nb, page, NUM_TILES, TILE)
-    amax = latent.abs().amax(dim=-1)
-    scale = torch.pow(2.0, torch.ceil(torch.log2(torch.clamp_min(amax / _FP8_MAX, 1e-4))))
-    q = (latent / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(nb, page, D_LATENT)
-    out[..., :D_LATENT] = q.view(torch.uint8)
-    out[..., D_LATENT : D_LATENT + NUM_TILES * 4] = scale.to(torch.float32).contiguous().view(torch.uint8)
+    q, e = e4m3_tiles(latent)
+    out[..., :D_LATENT] = q.reshape(nb, page, D_LATENT)
+    out[..., D_LATENT : D_LATENT + NUM_TILES * 4] = fp32_scales(e)
     out[..., D_LATENT + NUM_TILES * 4 :] = x[..., D_LATENT:].to(torch.bfloat16).contiguous().view(torch.uint8)
     return out.view(torch.float8_e4m3fn).reshape(nb, page, 1, FP8_BYTES_PER_TOKEN)
 

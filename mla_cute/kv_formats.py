@@ -18,10 +18,13 @@ FlashMLA's quantizers.  Each quantizes a 16-bit cache ``[num_blocks, page, 1, d_
 A page-blocked token's data row and scale row, put side by side, are its bytes in a token-major cache of the
 same format (V4: 576 + 8, V41_PAGED: V41's 512 + 16); the functions below work on those and place them.
 
-Scales of the e4m3 formats are powers of two, ``2 ** max(-13, ceil(log2(amax / 448)))`` per tile (FlashMLA's
-rule, the one of ``fp8.py``); a ue8m0 byte is the exponent plus 127 (0xFF for a tile holding NaN or inf).  The
-fp4 scale is ``e4m3(clamp(amax / 6, 2^-9, 448))`` (0x7F for a tile holding NaN or inf), the values rounded to the
-nearest e2m1 magnitude, ties to the even code.  Dequantization is exact in bf16.
+Scales of the e4m3 formats are powers of two, amax / 448 rounded up to one, at least 2^-13, per tile (the exact
+rule of ``fp8.py``, NaN and inf tiles as there); a ue8m0 byte is the exponent plus 127 (0xFF for a tile holding
+NaN or inf).  The fp4 scale is the e4m3 of ``clamp(amax / 6, 2^-9, 448)``, the division exact before the rounding
+(0x7F for a tile holding NaN or inf, amax counting NaN as inf), the values ``x / scale`` (IEEE fp32 division)
+rounded to the nearest e2m1 magnitude of ``min(|v|, 6)``, ties to the even code, the sign bit where v is negative
+or -0 (a NaN value: code 0).  Dequantization is exact in bf16.  ``write_kv_cache``'s kernel writes the same bytes
+(``kernels/write_cache.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import math
 
 import torch
 
-from .fp8 import FP8_BYTES_PER_TOKEN, _check_cache
+from .fp8 import FP8_BYTES_PER_TOKEN, _check_cache, e4m3_tiles, fp32_scales
 from .fp8 import dequantize_kv_cache as _dequantize_v32, quantize_kv_cache as _quantize_v32
 
 D_V4 = 512
@@ -83,18 +86,10 @@ _HALF_IN = (torch.bfloat16, torch.float16, torch.float32)
 _BYTES_IN = (torch.float8_e4m3fn, torch.uint8, torch.int8)
 
 
-def _pow2_exponent(tiles: torch.Tensor) -> torch.Tensor:
-    """Per tile (last dim) the scale exponent e, scale = 2^e (fp32; NaN where the tile holds NaN or inf)."""
-    amax = tiles.abs().amax(dim=-1)
-    return torch.ceil(torch.log2(torch.clamp_min(amax / _FP8_MAX, 1e-4)))
-
-
 def _e4m3_tiles(x: torch.Tensor, tile: int):
     """x [..., d] fp32 in tiles of ``tile``: (e4m3 bytes [..., d], exponents [..., d / tile])."""
-    t = x.reshape(*x.shape[:-1], -1, tile)
-    e = _pow2_exponent(t)
-    q = (t / torch.pow(2.0, e).unsqueeze(-1)).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8).reshape(x.shape), e
+    q, e = e4m3_tiles(x.reshape(*x.shape[:-1], -1, tile))
+    return q.reshape(x.shape), e
 
 
 def _ue8m0(e: torch.Tensor) -> torch.Tensor:
@@ -152,7 +147,7 @@ def _token_bytes(fmt: str, rows: torch.Tensor) -> torch.Tensor:
     elif fmt == "V32_NO_ROPE":
         q, e = _e4m3_tiles(x, 128)
         out[..., :512] = q
-        out[..., 512:] = torch.pow(2.0, e).contiguous().view(torch.uint8)
+        out[..., 512:] = fp32_scales(e)
     elif fmt in ("V41", "V41_PAGED"):
         q, e = _e4m3_tiles(x, 32)
         out[..., :512] = q
@@ -168,7 +163,9 @@ def _e2m1_tiles(x: torch.Tensor):
     """x [..., 512] fp32 in tiles of 16: (e2m1 codes [..., 512] uint8, e4m3 scale bytes [..., 32])."""
     t = x.reshape(*x.shape[:-1], 32, 16)
     amax = torch.where(torch.isnan(t), torch.inf, t.abs()).amax(dim=-1)
-    s = torch.clamp(amax / 6.0, 2.0**-9, _FP8_MAX).to(torch.float8_e4m3fn)
+    # amax / 6 in fp64 is exact enough that its e4m3 rounding is the exact quotient's (torch's CUDA division by a
+    # number multiplies by its reciprocal).
+    s = torch.clamp(amax.double() / 6.0, 2.0**-9, _FP8_MAX).float().to(torch.float8_e4m3fn)
     s_bytes = torch.where(torch.isinf(amax), 0x7F, s.view(torch.uint8).to(torch.int32)).to(torch.uint8)
     v = t / s.float().unsqueeze(-1)
     a = torch.nan_to_num(v.abs(), nan=0.0, posinf=6.0).clamp(max=6.0)
@@ -176,7 +173,7 @@ def _e2m1_tiles(x: torch.Tensor):
     code = torch.bucketize(a, mids)  # mids[code - 1] < a <= mids[code]
     tie = (code < len(_E2M1_MIDS)) & (a == mids[code.clamp(max=len(_E2M1_MIDS) - 1)]) & (code % 2 == 1)
     code = code + tie.to(code.dtype)
-    code = code | torch.where(torch.signbit(v), 8, 0)
+    code = code | torch.where(torch.signbit(v) & ~torch.isnan(v), 8, 0)
     return code.to(torch.uint8).reshape(x.shape), s_bytes
 
 
@@ -247,10 +244,17 @@ def gather_rows(k_cache: torch.Tensor, tokens: torch.Tensor, kv_format=None) -> 
     return _from_token_bytes(fmt, raw).float()
 
 
-def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor, kv_format=None) -> None:
-    """Quantize bf16 rows ``[n, d_qk]`` into their slots of a quantized cache, in place: row i goes to token
-    ``slot_mapping[i]`` (``block * page + offset``; -1 skips the row), its bytes those ``quantize_kv_cache`` gives
-    the row.  Slots must be distinct and within the cache (ValueError otherwise)."""
+def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor, kv_format=None,
+                   backend=None) -> None:
+    """Quantize rows ``[n, d_qk]`` (bf16, fp16 or fp32) into their slots of a quantized cache, in place: row i goes
+    to token ``slot_mapping[i]`` (``block * page + offset``; -1 skips the row), its bytes those
+    ``quantize_kv_cache`` gives the row.  Slots must be distinct and within the cache.
+
+    On the ``cute`` backend (CUDA tensors on Hopper) this is one kernel launch that reads no value on the host, so
+    a CUDA graph can capture it: a slot outside the cache is skipped like -1, and duplicate slots are not detected
+    (one launch cannot report them).  The ``reference`` backend (CPU) checks the slots and raises ValueError."""
+    from .backend import select_backend
+
     fmt = format_of(k_cache, kv_format)
     _check_cache("k_cache", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
     d = HEAD_DIM[fmt]
@@ -267,6 +271,11 @@ def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: 
                          f"{list(slot_mapping.shape)}")
     if new_rows.device != k_cache.device or slot_mapping.device != k_cache.device:
         raise ValueError("new_rows and slot_mapping must be on k_cache's device")
+    if select_backend(k_cache.device, backend) == "cute":
+        from .backends.cute import write_cache
+
+        write_cache(k_cache, new_rows, slot_mapping, fmt)
+        return
     nb, page = k_cache.shape[0], k_cache.shape[1]
     keep = slot_mapping >= 0
     slots, rows = slot_mapping[keep].long(), new_rows[keep]

@@ -141,3 +141,13 @@ class SparsePrefillConfig:
     d_qk: int
     has_sink: bool
     has_topk_length: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteCacheConfig:
+    """The cache writer (``kernels/write_cache.py``): rows of ``dtype`` ("bfloat16", "float16", "float32")
+    quantized into a ``kv_format`` cache at slots of ``slot_dtype`` ("int32", "int64")."""
+
+    kv_format: str
+    dtype: str
+    slot_dtype: str

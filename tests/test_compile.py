@@ -557,3 +557,22 @@ def test_sparse_prefill_from_the_fp8_cache_compiles_clean(capfd, h_q, has_sink, 
     plain_ptx = compile_sparse(plain, options=OPTIONS).__ptx__
     capfd.readouterr()
     assert ptx.count("st.global.b32") == plain_ptx.count("st.global.b32") + 2
+
+
+@pytest.mark.parametrize("fmt,dtype,slot_dtype", [("V32", "bfloat16", "int32"), ("V32_NO_ROPE", "float16", "int64"),
+                                                  ("V4", "bfloat16", "int64"), ("V41", "float32", "int32"),
+                                                  ("V41_PAGED", "bfloat16", "int32"), ("V41_FP4", "bfloat16", "int32")])
+def test_cache_writer_compiles_clean(fmt, dtype, slot_dtype, capfd):
+    """The cache writer: 16-byte row loads, 16-byte stores of a lane's e4m3 bytes (8-byte of its fp4 codes),
+    e4m3 conversions in pairs, IEEE divisions only for fp4 (scale and values), no local memory, no spills."""
+    from mla_cute.kernels.build import compile_write_cache
+    from mla_cute.schedules.configs import WriteCacheConfig
+
+    ptx = compile_write_cache(WriteCacheConfig(fmt, dtype, slot_dtype), options=OPTIONS).__ptx__
+    assert "ld.global.v4.b32" in ptx
+    assert ("st.global.v2.b32" if fmt == "V41_FP4" else "st.global.v4.b32") in ptx
+    assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == (1 if fmt == "V41_FP4" else 8)
+    assert ptx.count("div.rn.f32") == (17 if fmt == "V41_FP4" else 0)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    spills, _ = _ptxas_report(capfd.readouterr().err)
+    assert spills and all(sp == (0, 0, 0) for sp in spills), spills

@@ -16,6 +16,7 @@ import torch
 
 from ..device import device_facts, num_sms
 from ..kv_formats import BYTES_PER_TOKEN, PAGE_BLOCKED
+from ..schedules.configs import WriteCacheConfig
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.planner import whole_token_plan
 from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, resolve_dense, resolve_sparse, resolve_sparse_prefill,
@@ -207,17 +208,46 @@ def check_sparse_supported(k_cache: torch.Tensor, kv_format: str = "V32", name: 
     data and scale rows from its base, the 584-byte rows formal), 16-byte aligned (``name``: the argument, for
     the errors)."""
     check_kernel_format(kv_format, name)
+    check_cache_layout(k_cache, kv_format, name, "sparse kernel")
+
+
+def check_cache_layout(k_cache: torch.Tensor, kv_format: str, name: str, kernel: str) -> None:
+    """What the kernels' 16-byte accesses need of a quantized cache: a page's rows packed (a page-blocked
+    format's data and scale rows from the page's base, its formal rows included), 16-byte aligned base and block
+    stride (``name``: the argument, ``kernel``: the kernel, for the errors)."""
     row = BYTES_PER_TOKEN[kv_format]
     if k_cache.stride(3) != 1 or k_cache.stride(1) != row:
         raise NotImplementedError(
-            f"{name}: the 'cute' sparse kernel needs the {row}-byte {kv_format} rows of a page packed "
+            f"{name}: the 'cute' {kernel} needs the {row}-byte {kv_format} rows of a page packed "
             f"(strides [*, {row}, *, 1]), got strides {list(k_cache.stride())}"
         )
     if k_cache.data_ptr() % 16 != 0 or k_cache.stride(0) % 16 != 0:
         pad = (f" (quantize_kv_cache pads {kv_format} pages to {PAGE_BLOCKED[kv_format][2]}-byte multiples)"
                if kv_format in PAGE_BLOCKED else "")
-        raise NotImplementedError(f"{name}: the 'cute' sparse kernel needs a 16-byte aligned base and block stride, "
+        raise NotImplementedError(f"{name}: the 'cute' {kernel} needs a 16-byte aligned base and block stride, "
                                   f"got block stride {k_cache.stride(0)}{pad}")
+
+
+def write_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor, kv_format: str) -> None:
+    """``write_kv_cache`` in one launch of the cache writer (``kernels/write_cache.py``), arguments checked."""
+    from ..kernels.build import compile_write_cache
+
+    check_cache_layout(k_cache, kv_format, "k_cache", "cache writer")
+    if new_rows.shape[0] == 0:
+        return
+    rows = new_rows if _aligned_rows(new_rows) else _packed_copy(new_rows)
+    kernel = compile_write_cache(WriteCacheConfig(kv_format, str(new_rows.dtype).replace("torch.", ""),
+                                                  str(slot_mapping.dtype).replace("torch.", "")))
+    data, scale, _ = PAGE_BLOCKED.get(kv_format, (BYTES_PER_TOKEN[kv_format], 0, 0))
+    raw = k_cache.view(torch.uint8)
+    pages = torch.as_strided(raw, (raw.shape[0], (data + scale) * raw.shape[1]), (raw.stride(0), 1),
+                             raw.storage_offset()).view(torch.int32)
+    kernel(rows, slot_mapping.contiguous(), pages, k_cache.shape[1])
+
+
+def _aligned_rows(t: torch.Tensor) -> bool:
+    """Rows the writer loads in 16-byte pieces: unit last stride, 16-byte aligned base and row stride."""
+    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
 def check_kernel_format(kv_format: str, name: str) -> None:
