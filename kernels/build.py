@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
 
-from ..jit import cached_compile, compile_options, disk_cache_enabled, is_warm, prepare_dsl
+from ..jit import _report, cached_compile, compile_options, disk_cache_enabled, is_warm, prepare_dsl
 
 prepare_dsl()
 
@@ -58,15 +60,33 @@ def compile_jobs() -> int:
 
 
 def _build_in_processes(cold: list) -> None:
+    """Build ``cold`` ((function name, config) pairs) into the disk cache, each in a fresh interpreter of its own
+    (``python -c``, given the pair on stdin and this process's ``sys.path``): nothing of this process runs there
+    again, so a caller's script needs no ``if __name__ == "__main__"`` guard, and no CUDA or DSL state is
+    inherited.  A child that fails is reported with its output; its kernel is then built here (by the caller)."""
     workers = min(len(cold), compile_jobs())
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA or DSL state inherited
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        for done in pool.map(_build_one, *zip(*cold)):
-            pass
+    _report(f"compiling {len(cold)} kernels at once, {workers} processes ...")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    command = [sys.executable, "-c", "from mla_cute.kernels.build import _build_child; _build_child()"]
+
+    def build(task):
+        done = subprocess.run(command, input=pickle.dumps(task), env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+        return task, done
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for (name, config), done in pool.map(build, cold):
+            text = done.stdout.decode(errors="replace")
+            if done.returncode == 0:
+                sys.stderr.write(text)
+            else:
+                _report(f"the process building {name}({config}) failed (exit {done.returncode}), building it here; "
+                        f"its output:\n{text[-4000:]}")
 
 
-def _build_one(name: str, config) -> None:
-    """In a child process: build one kernel into the disk cache."""
+def _build_child() -> None:
+    """In a child process: build the (function name, config) pickled on stdin into the disk cache."""
+    name, config = pickle.loads(sys.stdin.buffer.read())
     globals()[name](config)
 
 

@@ -96,6 +96,7 @@ PARALLEL = textwrap.dedent(
     import sys
     import mla_cute.kernels.build as build
     from mla_cute.schedules import SchedulerConfig
+    print("script ran")
     configs = [SchedulerConfig(fixed_cost=3), SchedulerConfig(fixed_cost=4)]
     if sys.argv[1] == "parallel":
         fns = build.compile_all([(build.compile_scheduler, c) for c in configs])
@@ -108,13 +109,17 @@ PARALLEL = textwrap.dedent(
 
 def test_parallel_build_writes_the_objects_a_serial_build_does(tmp_path):
     """``compile_all`` builds two cold kernels in two child processes into the disk cache, and the parent loads
-    them: the entries are byte for byte those of a serial build."""
+    them: the entries are byte for byte those of a serial build.  The caller is a script without a main guard,
+    which the children do not run again."""
+    script = tmp_path / "script.py"
+    script.write_text(PARALLEL)
     objects = {}
     for mode in ("parallel", "serial"):
         cache = tmp_path / mode
-        proc = subprocess.run([sys.executable, "-c", PARALLEL, mode], env=_env(cache), capture_output=True,
+        proc = subprocess.run([sys.executable, str(script), mode], env=_env(cache), capture_output=True,
                               text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.count("script ran") == 1
         assert proc.stderr.count("compiling scheduler") == 2
         objects[mode] = {p.name: p.read_bytes() for p in cache.glob("*.o")}
     assert len(objects["serial"]) == 2 and objects["parallel"] == objects["serial"]

@@ -60,7 +60,7 @@ def _same_cache(cache, fmt):
                                               (torch.float32, torch.int32)])
 def test_writer_writes_the_quantizers_bytes(fmt, dtype, slot_dtype):
     g = torch.Generator().manual_seed(hash((fmt, str(dtype))) % 2**31)
-    nb, page, n = 7, 64 if fmt != "V4" else 32, 300
+    nb, page, n = (7, 64, 300) if fmt != "V4" else (12, 32, 300)  # V4 with a page of 32
     kv = fmt if fmt in ("V32_NO_ROPE", "V41_PAGED") else None
     cache = _cache(fmt, nb, page, g)
     want = _same_cache(cache, fmt)
