@@ -22,11 +22,11 @@ from setuptools.command.build_py import build_py
 
 def bundle_kernels(target: Path, sets: str, jobs: str, run=subprocess.run) -> None:
     """Build ``sets`` into ``target`` as the disk cache does, then keep only whole entries (object, checksum,
-    description)."""
+    description; the shared library and its checksum where a compiler linked one)."""
     env = dict(os.environ, MLA_CUTE_CACHE_DIR=str(target), CUTE_DSL_ARCH=os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
     run([sys.executable, "-m", "mla_cute.precompile", "--sets", sets, "--jobs", jobs], env=env, check=True)
     for path in target.iterdir():
-        if ".tmp." in path.name or path.suffix not in (".o", ".sum", ".txt"):
+        if ".tmp." in path.name or path.suffix not in (".o", ".so", ".sum", ".txt"):
             path.unlink()
 
 

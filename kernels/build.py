@@ -1,5 +1,5 @@
-"""Compile entry points of the kernels, with fake tensors (no GPU needed to compile).  Each takes a frozen
-config (``mla_cute.schedules.configs``) and keys the compile cache on it."""
+"""Compile entry points of the kernels, with fake tensors (``signatures.py``; no GPU needed to compile).  Each
+takes a frozen config (``mla_cute.schedules.configs``) and keys the compile cache on it."""
 
 from __future__ import annotations
 
@@ -10,17 +10,12 @@ import pickle
 import subprocess
 import sys
 
-from ..jit import _report, cached_compile, compile_options, disk_cache_enabled, is_warm, prepare_dsl
+from ..jit import _report, cached_compile, disk_cache_enabled, is_warm
+from ..schedules.configs import (CombineConfig, DenseStepConfig, SchedulerConfig, SparsePrefillConfig,
+                                 SparseStepConfig, WriteCacheConfig)
 
-prepare_dsl()
-
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor  # noqa: E402
-
-from ..schedules.configs import (CombineConfig, DenseStepConfig, SchedulerConfig,  # noqa: E402
-                                 SparsePrefillConfig, SparseStepConfig, WriteCacheConfig)
-from .constants import D_QK, D_V, DTYPES  # noqa: E402
+# This module does not import the DSL: a warm kernel loads without it (``mla_cute.jit``); each build imports
+# the DSL with the kernel's module and ``signatures.py``.
 
 
 # The compile functions ``compile_all`` builds in parallel, by name, and their cache keys' first field.
@@ -90,55 +85,6 @@ def _build_child() -> None:
     globals()[name](config)
 
 
-def _sym(div: int = 1, width: int = 32):
-    return cute.sym_int(width, divisibility=div)
-
-
-def _s64():
-    return _sym(8, 64)  # 16-byte aligned strides of 16-bit tensors, as TMA needs
-
-
-def _records():
-    """A fake ``[parts, 8]`` table of scheduler records."""
-    return make_fake_compact_tensor(cutlass.Int32, (_sym(), 8), stride_order=(1, 0), assumed_align=16)
-
-
-def _split_io(dtype, b, s_q: int, h_q: int, h_kv: int, partial_dtype=cutlass.Float32):
-    """Fake scheduler records and split counts, FlashMLA's out / lse, and the partials (O in
-    ``partial_dtype``, lse in fp32): (sched, num_splits, out, lse, o_accum, lse_accum), as every decode
-    step takes them."""
-    rows = s_q * (h_q // h_kv)
-    splits = _sym()
-    # out and the O partials pass 2^31 elements (b = 32768 at h_q = 128): their batch strides are 64-bit, so
-    # every element offset is.  The others are packed.
-    out_batch = _sym(s_q * h_q * D_V, 64)
-    acc_batch = _sym(h_kv * rows * D_V, 64)
-    return (
-        _records(),
-        make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
-        make_fake_tensor(dtype, (b, s_q, h_q, D_V), (out_batch, h_q * D_V, D_V, 1), assumed_align=16),
-        make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4),
-        make_fake_tensor(partial_dtype, (splits, h_kv, rows, D_V), (acc_batch, rows * D_V, D_V, 1),
-                         assumed_align=16),
-        make_fake_compact_tensor(cutlass.Float32, (splits, h_kv, rows), stride_order=(2, 1, 0), assumed_align=16),
-    )
-
-
-def _scale_and_stream():
-    return cutlass.Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True)
-
-
-def dense_decode_signature(dtype, s_q: int, h_q: int, h_kv: int, page: int):
-    """Fake tensors matching ``DenseSeesawKernel.__call__`` (fp32 partials)."""
-    rows = s_q * (h_q // h_kv)
-    b, nb, mb = _sym(), _sym(), _sym()
-    q = make_fake_tensor(dtype, (b, rows, h_kv, D_QK), (_s64(), _s64(), _s64(), 1), assumed_align=16)
-    k = make_fake_tensor(dtype, (nb, page, h_kv, D_QK), (_s64(), _s64(), _s64(), 1), assumed_align=16)
-    block_table = make_fake_tensor(cutlass.Int32, (b, mb), (_sym(1, 64), 1), assumed_align=4)
-    seqlens = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4)
-    return (q, k, block_table, seqlens, *_split_io(dtype, b, s_q, h_q, h_kv), *_scale_and_stream())
-
-
 def _dense_kernel(config):
     from .dense_seesaw import DenseSeesawKernel
     from .dense_serial import DenseSerialKernel
@@ -171,11 +117,13 @@ def compile_dense(step: DenseStepConfig, options: str = ""):
                 from .dense_step import DenseDecodeStep
 
                 kernel = DenseDecodeStep(kernel, combine)
-        args = dense_decode_signature(DTYPES[split.dtype], split.s_q, split.group * split.h_kv, split.h_kv,
-                                      split.page)
+        from . import signatures as sig
+
+        args = sig.dense_decode_signature(sig.DTYPES[split.dtype], split.s_q, split.group * split.h_kv, split.h_kv,
+                                          split.page)
         if step.fill:  # the fill parts' records: a second table like the first
-            args = args[:5] + (_records(),) + args[5:]
-        return cute.compile(kernel, *args, options=compile_options(options))
+            args = args[:5] + (sig._records(),) + args[5:]
+        return sig.compile_kernel(kernel, args, options)
 
     return cached_compile((_KINDS["compile_dense"], step, options), build, describe=f"dense decode {step}",
                           persistent=not options)
@@ -183,15 +131,12 @@ def compile_dense(step: DenseStepConfig, options: str = ""):
 
 def compile_combine(config: CombineConfig, h_kv: int = 1, options: str = ""):
     """The combine kernel alone (the runtime calls it inside the decode steps)."""
-    from .combine import CombineKernel
 
     def build():
-        dtype = DTYPES[config.dtype]
-        h_q = config.group * h_kv
-        _, num_splits, out, lse, o_acc, lse_acc = _split_io(dtype, _sym(), config.s_q, h_q, h_kv)
-        sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if config.has_sink else None
-        args = (num_splits, o_acc, lse_acc, out, lse, sink, make_fake_stream(use_tvm_ffi_env_stream=True))
-        return cute.compile(CombineKernel(config), *args, options=compile_options(options))
+        from . import signatures as sig
+        from .combine import CombineKernel
+
+        return sig.compile_kernel(CombineKernel(config), sig.combine_signature(config, h_kv), options)
 
     return cached_compile(("combine", config, h_kv, options), build, describe=f"combine {config} h_kv={h_kv}",
                           persistent=not options)
@@ -199,50 +144,15 @@ def compile_combine(config: CombineConfig, h_kv: int = 1, options: str = ""):
 
 def compile_scheduler(config: SchedulerConfig, options: str = ""):
     """The GPU planner for a policy (``SchedulerConfig``)."""
-    from .scheduler import SchedulerKernel
 
     def build():
-        args = (
-            make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
-            _records(),
-            make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
-            cutlass.Int32(0),
-            make_fake_stream(use_tvm_ffi_env_stream=True),
-        )
-        return cute.compile(SchedulerKernel(config), *args, options=compile_options(options))
+        from . import signatures as sig
+        from .scheduler import SchedulerKernel
+
+        return sig.compile_kernel(SchedulerKernel(config), sig.scheduler_signature(), options)
 
     return cached_compile((_KINDS["compile_scheduler"], config, options), build, describe=f"scheduler {config}",
                           persistent=not options)
-
-
-def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length: bool, partials_16bit: bool = False,
-                            max_logits: bool = False, kv_format: str = "V32", extra_cache: bool = False):
-    """Fake tensors matching ``SparseDecodeFp8Kernel.__call__`` (and the sparse step's); without ``max_logits``
-    None in its place, without ``extra_cache`` None for the extra cache, its indices and lengths."""
-    from .cache_rows import cache_rows
-
-    rows = cache_rows(kv_format)
-    b, nb, page, topk = _sym(), _sym(), _sym(), _sym()
-    bf16 = cutlass.BFloat16
-    q = make_fake_tensor(bf16, (b, s_q, h_q, rows.d_qk), (_s64(), _s64(), _s64(), 1), assumed_align=16)
-    # The rows (V4: the data rows) as int32 words: 16-byte loads need 16-byte aligned rows and blocks.
-    cache = make_fake_tensor(cutlass.Int32, (nb, page, rows.row_words), (_sym(4, 64), rows.row_words, 1),
-                             assumed_align=16)
-    indices = make_fake_tensor(cutlass.Int32, (b, s_q, topk), (_sym(1, 64), _sym(1, 64), 1), assumed_align=4)
-    topk_len = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4) if has_topk_length else None
-    extra = (None, None, None)
-    if extra_cache:  # its own blocks, page size and topk
-        extra = (make_fake_tensor(cutlass.Int32, (_sym(), _sym(), rows.row_words), (_sym(4, 64), rows.row_words, 1),
-                                  assumed_align=16),
-                 make_fake_tensor(cutlass.Int32, (b, s_q, _sym()), (_sym(1, 64), _sym(1, 64), 1), assumed_align=4),
-                 make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4))
-    sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if has_sink else None
-    partial = bf16 if partials_16bit else cutlass.Float32
-    top = None
-    if max_logits:
-        top = make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4)
-    return (q, cache, indices, topk_len, *extra, *_split_io(bf16, b, s_q, h_q, 1, partial), sink, top,
-            *_scale_and_stream())
 
 
 def compile_sparse(step: SparseStepConfig, options: str = ""):
@@ -263,28 +173,14 @@ def compile_sparse(step: SparseStepConfig, options: str = ""):
             from .sparse_step import SparseDecodeStep
 
             kernel = SparseDecodeStep(kernel, CombineKernel(step.combine))
-        args = sparse_decode_signature(split.s_q, split.h_q, split.has_sink, split.has_topk_length,
-                                       split.partials_16bit, split.max_logits, split.kv_format, split.extra_cache)
-        return cute.compile(kernel, *args, options=compile_options(options))
+        from . import signatures as sig
+
+        args = sig.sparse_decode_signature(split.s_q, split.h_q, split.has_sink, split.has_topk_length,
+                                           split.partials_16bit, split.max_logits, split.kv_format, split.extra_cache)
+        return sig.compile_kernel(kernel, args, options)
 
     return cached_compile((_KINDS["compile_sparse"], step, options), build, describe=f"sparse decode {step}",
                           persistent=not options)
-
-
-def sparse_prefill_signature(config: SparsePrefillConfig):
-    """Fake tensors matching ``SparsePrefillKernel.__call__``."""
-    s_q, s_kv, topk, h_q, d = _sym(), _sym(), _sym(), config.h_q, config.d_qk
-    bf16 = cutlass.BFloat16
-    # q and out pass 2^31 elements at s_q = 70000 (h_q = 128): their token strides are 64-bit.
-    q = make_fake_tensor(bf16, (s_q, h_q, d), (_s64(), _sym(8), 1), assumed_align=16)
-    kv = make_fake_tensor(bf16, (s_kv, d), (_s64(), 1), assumed_align=16)
-    indices = make_fake_tensor(cutlass.Int32, (s_q, topk), (_sym(1, 64), 1), assumed_align=4)
-    topk_len = make_fake_compact_tensor(cutlass.Int32, (s_q,), assumed_align=4) if config.has_topk_length else None
-    sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if config.has_sink else None
-    out = make_fake_tensor(bf16, (s_q, h_q, D_V), (_sym(8, 64), D_V, 1), assumed_align=16)
-    max_logits = make_fake_tensor(cutlass.Float32, (s_q, h_q), (_sym(1, 64), 1), assumed_align=4)
-    lse = make_fake_tensor(cutlass.Float32, (s_q, h_q), (_sym(1, 64), 1), assumed_align=4)
-    return (q, kv, indices, topk_len, sink, out, max_logits, lse, cutlass.Int32(1), *_scale_and_stream())
 
 
 def compile_sparse_prefill(config: SparsePrefillConfig, options: str = ""):
@@ -292,36 +188,23 @@ def compile_sparse_prefill(config: SparsePrefillConfig, options: str = ""):
     None there, without ``has_sink`` None for the sink."""
 
     def build():
+        from . import signatures as sig
         from .sparse_prefill import SparsePrefillKernel
 
-        return cute.compile(SparsePrefillKernel(config), *sparse_prefill_signature(config),
-                            options=compile_options(options))
+        return sig.compile_kernel(SparsePrefillKernel(config), sig.sparse_prefill_signature(config), options)
 
     return cached_compile((_KINDS["compile_sparse_prefill"], config, options), build, describe=f"sparse prefill {config}",
                           persistent=not options)
-
-
-def write_cache_signature(config: WriteCacheConfig):
-    """Fake tensors matching ``WriteCacheKernel.__call__``: 16-byte aligned rows, the pages as int32 words."""
-    from .write_cache import ROW_TYPES
-
-    dtype = ROW_TYPES[config.dtype]
-    d = 576 if config.kv_format == "V32" else 512
-    per_vector = 16 // (dtype.width // 8)
-    rows = make_fake_tensor(dtype, (_sym(), d), (_sym(per_vector, 64), 1), assumed_align=16)
-    slot_type = cutlass.Int64 if config.slot_dtype == "int64" else cutlass.Int32
-    slots = make_fake_compact_tensor(slot_type, (_sym(),), assumed_align=slot_type.width // 8)
-    pages = make_fake_tensor(cutlass.Int32, (_sym(), _sym()), (_sym(4, 64), 1), assumed_align=16)
-    return rows, slots, pages, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def compile_write_cache(config: WriteCacheConfig, options: str = ""):
     """The compiled cache writer (``kernels/write_cache.py``)."""
 
     def build():
+        from . import signatures as sig
         from .write_cache import WriteCacheKernel
 
-        return cute.compile(WriteCacheKernel(config), *write_cache_signature(config), options=compile_options(options))
+        return sig.compile_kernel(WriteCacheKernel(config), sig.write_cache_signature(config), options)
 
     return cached_compile((_KINDS["compile_write_cache"], config, options), build, describe=f"cache writer {config}",
                           persistent=not options)

@@ -513,6 +513,8 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
     ``attn_sink`` and ``topk_length`` (False: whether calls pass one), ``kv_format`` ("V32"), ``extra_cache``
     (False: whether calls pass ``extra_k_cache``) and ``schedule``.
+    The cache writer (:func:`write_kv_cache`): a dict with ``write_cache=True`` and optionally ``kv_format``
+    ("V32"), ``dtype`` (the rows', torch.bfloat16) and ``slot_dtype`` (torch.int64); one kernel each.
     Sparse prefill (:func:`flash_mla_sparse_fwd`): a dict with ``prefill=True``, ``h_q`` and optionally
     ``d_qk`` (576 or 512; 576), ``attn_sink``, ``topk_length`` and ``fp8_cache`` (False: kv is the paged FP8
     cache); one kernel each.
@@ -529,6 +531,10 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         cfg = dict(cfg)
         if cfg.pop("prefill", False):
             _precompile_prefill(i, cfg)
+            count += 1
+            continue
+        if cfg.pop("write_cache", False):
+            _precompile_writer(i, cfg)
             count += 1
             continue
         sparse = bool(cfg.pop("sparse", False))
@@ -565,6 +571,21 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
                               sched)
         count += 1
     return count
+
+
+def _precompile_writer(i: int, cfg: dict) -> None:
+    """``precompile``'s cache-writer configuration ``i`` (``write_cache`` already taken out)."""
+    extra = cfg.keys() - {"kv_format", "dtype", "slot_dtype"}
+    if extra:
+        raise ValueError(f"precompile config {i} has unknown keys {sorted(extra)}")
+    fmt = format_of(None, cfg.get("kv_format", "V32"), "kv_format")
+    dtype, slot_dtype = cfg.get("dtype", torch.bfloat16), cfg.get("slot_dtype", torch.int64)
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"precompile config {i}: dtype must be torch.bfloat16, torch.float16 or torch.float32, "
+                        f"got {dtype}")
+    if slot_dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"precompile config {i}: slot_dtype must be torch.int32 or torch.int64, got {slot_dtype}")
+    cute.precompile_writer(fmt, dtype, slot_dtype)
 
 
 def _precompile_prefill(i: int, cfg: dict) -> None:

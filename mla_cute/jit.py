@@ -9,8 +9,11 @@ sources of ``kernels/`` and ``schedules/``: a warm start loads it in millisecond
 edit of a kernel or schedule source invalidates it.  ``MLA_CUTE_DISK_CACHE=0`` disables it.
 
 An entry is ``<name>.o`` plus a sidecar ``<name>.sum`` holding the object's size and sha256, and
-``<name>.txt``, the configuration it was compiled for (what ``cache_info`` reports).
-Both are written to temporary files and published with ``os.replace``, the sidecar last, and
+``<name>.txt``, the configuration it was compiled for (what ``cache_info`` reports).  Where a C compiler
+is found (``$CC``, else ``cc``), the object is also linked into ``<name>.so`` (sidecar ``<name>.so.sum``:
+size, sha256 and the DSL runtime's path in its package), which a load opens through TVM-FFI without
+importing the DSL (seconds of a fresh process's first call); without one, or when the library does not
+load, the object is linked in memory by the DSL.  Files are written to temporary files and published with ``os.replace``, the sidecar last, and
 the object is checked against the sidecar before it is loaded: an entry whose object or sidecar
 is missing, truncated or altered is reported once (a warning), rebuilt and replaced, never
 loaded.  Temporary files are removed when a write fails, and those of dead writers (older than
@@ -113,20 +116,23 @@ def _runtime_versions() -> tuple:
         return ("no tvm-ffi",)
 
 
-def _disk_name(key: Hashable) -> str:
-    prepare_dsl()
-    import cutlass
+def _dsl_version() -> str:
+    """The installed DSL's version, read without importing it (its import costs seconds on a cold start)."""
+    from importlib import metadata
 
-    text = repr((key, cutlass.__version__, _runtime_versions(), _target_arch(), _sources_hash()))
+    return metadata.version("nvidia-cutlass-dsl")
+
+
+def _disk_name(key: Hashable) -> str:
+    prepare_dsl()  # the arch a compile here targets (sm_90a without a GPU), as the kernels' import sets it
+    text = repr((key, _dsl_version(), _runtime_versions(), _target_arch(), _sources_hash()))
     return "k" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def _build_stamp() -> str:
     """The versions, arch and sources an entry's name is hashed with besides its key (``_disk_name``)."""
-    prepare_dsl()  # the arch a compile here targets (sm_90a without a GPU), as the kernels' import sets it
-    import cutlass
-
-    return repr((cutlass.__version__, _runtime_versions(), _target_arch(), _sources_hash()))
+    prepare_dsl()
+    return repr((_dsl_version(), _runtime_versions(), _target_arch(), _sources_hash()))
 
 
 def _warn_once(what: Hashable, msg: str, *args) -> None:
@@ -136,10 +142,66 @@ def _warn_once(what: Hashable, msg: str, *args) -> None:
 
 
 def _load_module(path: Path, name: str):
-    """The function ``name`` of the exported object ``path`` (the one place that loads; tests replace it)."""
+    """The function ``name`` of the exported object ``path``, linked in memory by the DSL (which this imports)."""
     import cutlass.cute as cute
 
     return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), name)
+
+
+_RUNTIME = "libcute_dsl_runtime.so"
+_preloaded: Dict[str, Any] = {}
+
+
+def _dsl_root() -> Path:
+    import importlib.util
+
+    return Path(importlib.util.find_spec("nvidia_cutlass_dsl").submodule_search_locations[0])
+
+
+def _dsl_runtime() -> str:
+    """The DSL's runtime library (``$CUTE_DSL_LIBS``' if it names one, else the DSL's choice; imports the DSL)."""
+    import cutlass.cute as cute
+
+    (path,) = [p for p in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False) if p.endswith(_RUNTIME)]
+    return path
+
+
+def _linker() -> str | None:
+    """The C compiler that links exported objects into shared libraries (``$CC``, else ``cc``), or None."""
+    import shutil
+
+    return shutil.which(os.environ.get("CC") or "cc")
+
+
+def _link_shared(obj: Path, out: Path) -> str | None:
+    """Link the exported object ``obj`` into the shared library ``out`` against the DSL's runtime and TVM-FFI
+    (which a load then finds already loaded, by their names); returns the runtime's path within the DSL's
+    package (recorded with the library), or None when there is no compiler."""
+    import subprocess
+
+    import tvm_ffi
+
+    cc = _linker()
+    if cc is None:
+        return None
+    runtime = Path(_dsl_runtime()).resolve()
+    subprocess.run([cc, "-shared", "-o", str(out), str(obj), str(runtime), tvm_ffi.libinfo.find_libtvm_ffi()],
+                   check=True, capture_output=True, timeout=120)
+    return runtime.relative_to(_dsl_root().resolve()).as_posix()
+
+
+def _load_shared(path: Path, name: str, runtime: str):
+    """The function ``name`` of the shared library ``path`` through TVM-FFI, without importing the DSL: its
+    runtime (``runtime``, a path within the DSL's package, or ``$CUTE_DSL_LIBS``' runtime) loaded first."""
+    import ctypes
+
+    import tvm_ffi
+
+    named = [p for p in os.environ.get("CUTE_DSL_LIBS", "").split(os.pathsep) if p.endswith(_RUNTIME)]
+    lib = named[0] if named else str(_dsl_root() / runtime)
+    if lib not in _preloaded:
+        _preloaded[lib] = ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    return tvm_ffi.load_module(str(path))[name]
 
 
 def _sidecar_text(data: bytes) -> str:
@@ -147,9 +209,10 @@ def _sidecar_text(data: bytes) -> str:
 
 
 def _entry_problem(obj: Path, side: Path) -> str | None:
-    """Why the entry ``obj`` must not be loaded (None when it matches its sidecar ``side``)."""
+    """Why the entry ``obj`` must not be loaded (None when it matches its sidecar ``side``: size and sha256, then
+    any further fields, ``_sidecar_fields``)."""
     try:
-        size, digest = side.read_text().split()
+        size, digest = side.read_text().split()[:2]
         size = int(size)
     except FileNotFoundError:
         return "its checksum file is missing"
@@ -166,20 +229,44 @@ def _entry_problem(obj: Path, side: Path) -> str | None:
     return None
 
 
+def _sidecar_fields(side: Path) -> list:
+    return side.read_text().split()[2:]
+
+
 def _load_from_disk(name: str, directory: Path | None = None):
     """The cached function ``name`` of ``directory`` (the disk cache's by default), or None (absent, or bad: then
-    reported once, to be rebuilt)."""
+    reported once, to be rebuilt).  The entry is its object; where it also has a sound shared library, that is
+    what loads (no DSL import)."""
     directory = cache_dir() if directory is None else directory
     obj, side = directory / f"{name}.o", directory / f"{name}.sum"
     if not obj.exists() and not side.exists():
         return None
     problem = _entry_problem(obj, side)
     if problem is None:
+        fn = _load_linked(directory, name)
+        if fn is not None:
+            return fn
         try:
             return _load_module(obj, name)
         except Exception as exc:  # a checked object that still does not load (a foreign file): rebuild
             problem = f"it does not load ({exc})"
     _warn_once(("entry", str(obj)), "mla_cute: rebuilding the compile cache entry %s: %s", obj, problem)
+    return None
+
+
+def _load_linked(directory: Path, name: str):
+    """The entry's function from its shared library, or None (none, or one that fails its checksum or does not
+    load: reported once, and the object loads instead)."""
+    lib, side = directory / f"{name}.so", directory / f"{name}.so.sum"
+    if not lib.exists() and not side.exists():
+        return None
+    problem = _entry_problem(lib, side)
+    if problem is None:
+        try:
+            return _load_shared(lib, name, *_sidecar_fields(side)[:1])
+        except Exception as exc:  # e.g. the runtime it was linked against is not installed here
+            problem = f"it does not load ({exc})"
+    _warn_once(("library", str(lib)), "mla_cute: loading %s from its object instead of %s: %s", name, lib, problem)
     return None
 
 
@@ -203,12 +290,33 @@ def _store_to_disk(name: str, fn, describe: str = "") -> None:
         tmp_side.write_text(_sidecar_text(tmp_obj.read_bytes()))
         os.replace(tmp_obj, directory / f"{name}.o")
         os.replace(tmp_side, directory / f"{name}.sum")
+        _store_shared(directory, name, token)
         (directory / f"{name}.txt").write_text(f"{describe}\n{_build_stamp()}\n")
     except Exception as exc:  # the kernel is compiled and usable; only its persistence failed
         _warn_once(("store", str(directory)), "mla_cute: could not write the compile cache in %s (%s: %s)",
                    directory, type(exc).__name__, exc)
     finally:
         for tmp in (tmp_obj, tmp_side):
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+
+def _store_shared(directory: Path, name: str, token: str) -> None:
+    """Beside the entry's object, its shared library (``_link_shared``) and the library's sidecar (size, sha256,
+    the runtime's path); without a compiler, or when linking fails (reported once), the object alone."""
+    tmp_lib, tmp_side = directory / f"{name}.{token}.tmp.so", directory / f"{name}.{token}.tmp.so.sum"
+    try:
+        runtime = _link_shared(directory / f"{name}.o", tmp_lib)
+        if runtime is None:
+            return
+        tmp_side.write_text(_sidecar_text(tmp_lib.read_bytes()).rstrip("\n") + f" {runtime}\n")
+        os.replace(tmp_lib, directory / f"{name}.so")
+        os.replace(tmp_side, directory / f"{name}.so.sum")
+    except Exception as exc:
+        _warn_once(("link", str(directory)), "mla_cute: could not link a shared library in %s (%s: %s); entries "
+                   "load from their objects", directory, type(exc).__name__, exc)
+    finally:
+        for tmp in (tmp_lib, tmp_side):
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
 

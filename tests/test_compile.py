@@ -218,7 +218,7 @@ def test_dense_smem_bytes_match_the_planned_occupancy():
     import cutlass.cute as cute
 
     from mla_cute.jit import compile_options
-    from mla_cute.kernels.build import dense_decode_signature
+    from mla_cute.kernels.signatures import dense_decode_signature
     from mla_cute.kernels.constants import DTYPES
     from mla_cute.kernels.dense_seesaw import DenseSeesawKernel
     from mla_cute.schedules.resolve import DENSE_SMEM_BYTES, DENSE_THREADS

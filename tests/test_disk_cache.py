@@ -51,6 +51,7 @@ def cache(tmp_path, monkeypatch, caplog):
         return Loaded(path.read_bytes())
 
     monkeypatch.setattr(jit, "_load_module", load)
+    monkeypatch.setattr(jit, "_link_shared", lambda obj, out: None)  # fake objects: no shared libraries
     caplog.set_level(logging.INFO, logger="mla_cute")
     return root, loads
 
@@ -322,10 +323,38 @@ def test_wheel_hook_bundles_named_sets(tmp_path, monkeypatch):
 
     def run(cmd, env, check):
         ran.append((cmd, env["MLA_CUTE_CACHE_DIR"], check))
-        for name in ("ka.o", "ka.sum", "ka.txt", "kb.1.tmp.o", "stray.log"):
+        for name in ("ka.o", "ka.sum", "ka.txt", "ka.so", "ka.so.sum", "kb.1.tmp.o", "kb.2.tmp.so", "stray.log"):
             (tmp_path / name).write_text("x")
 
     hook.bundle_kernels(tmp_path, "deepseek-v32-sparse", "4", run=run)
     assert ran == [([sys.executable, "-m", "mla_cute.precompile", "--sets", "deepseek-v32-sparse", "--jobs", "4"],
                     str(tmp_path), True)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ka.o", "ka.sum", "ka.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ka.o", "ka.so", "ka.so.sum", "ka.sum", "ka.txt"]
+
+
+def test_a_linked_library_loads_first_and_a_bad_one_falls_back_to_the_object(cache, monkeypatch, caplog):
+    """With a shared library beside the object (``_link_shared``), a load opens it (``_load_shared``, given the
+    runtime path its sidecar records); a library that fails its checksum or does not load is reported once and
+    the object loads."""
+    root, loads = cache
+
+    def link(obj, out):
+        out.write_bytes(b"lib:" + obj.read_bytes())
+        return "cu13/lib/libcute_dsl_runtime.so"
+
+    shared = []
+    monkeypatch.setattr(jit, "_link_shared", link)
+    monkeypatch.setattr(jit, "_load_shared", lambda path, name, runtime: shared.append((path.name, runtime)) or "lib")
+    compile_("a", FakeFn(b"A"))
+    lib, side = root / "ka.so", root / "ka.so.sum"
+    assert lib.read_bytes().startswith(b"lib:A:ka:")
+    assert side.read_text().split()[2] == "cu13/lib/libcute_dsl_runtime.so"
+    assert jit._entry_problem(lib, side) is None
+    jit.clear_memory_cache()
+    assert compile_("a", FakeFn(b"B")) == ("lib", 0) and shared == [("ka.so", "cu13/lib/libcute_dsl_runtime.so")]
+    assert loads == [] and warnings(caplog) == []
+    lib.write_bytes(b"lib:damaged")
+    jit.clear_memory_cache()
+    got, builds = compile_("a", FakeFn(b"C"))
+    assert builds == 0 and got.data.startswith(b"A:ka:") and loads == [root / "ka.o"]
+    assert any("loading ka from its object instead of" in w for w in warnings(caplog))

@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from mla_cute import jit
+
 pytestmark = pytest.mark.compile
 
 # With FORBID_COMPILE=1 any call of cute.compile fails the process: a warm start must load from disk.
@@ -60,7 +62,8 @@ def test_second_process_loads_from_disk(tmp_path):
     assert "compiling scheduler" in log_cold
     (obj,) = tmp_path.glob("*.o")
     _assert_entry_good(obj)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([obj.name, obj.stem + ".sum", obj.stem + ".txt"])
+    linked = [obj.stem + ".so", obj.stem + ".so.sum"] if jit._linker() else []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([obj.name, obj.stem + ".sum", obj.stem + ".txt"] + linked)
     assert obj.with_suffix(".txt").read_text().startswith("scheduler SchedulerConfig(fixed_cost=3")
     assert "(compiled)'] disk: ['scheduler SchedulerConfig(fixed_cost=3" in log_cold
     before = _snapshot(tmp_path)
@@ -123,3 +126,26 @@ def test_parallel_build_writes_the_objects_a_serial_build_does(tmp_path):
         assert proc.stderr.count("compiling scheduler") == 2
         objects[mode] = {p.name: p.read_bytes() for p in cache.glob("*.o")}
     assert len(objects["serial"]) == 2 and objects["parallel"] == objects["serial"]
+
+
+NO_DSL = textwrap.dedent(
+    """
+    import sys
+    import mla_cute.kernels.build as build
+    from mla_cute.schedules import SchedulerConfig
+    fn = build.compile_scheduler(SchedulerConfig(fixed_cost=3))
+    print(type(fn).__module__, type(fn).__name__, "cutlass imported:", "cutlass" in sys.modules)
+    """
+)
+
+
+@pytest.mark.skipif(jit._linker() is None, reason="no C compiler to link shared libraries with")
+def test_a_warm_start_loads_the_shared_library_without_the_dsl(tmp_path):
+    """Where a compiler links each entry into a shared library, a second process loads the kernel through TVM-FFI
+    and never imports the DSL."""
+    env = _env(tmp_path)
+    _run(env)
+    proc = subprocess.run([sys.executable, "-c", NO_DSL], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tvm_ffi.core Function cutlass imported: False" in proc.stdout, proc.stdout + proc.stderr
+    assert "compiling" not in proc.stderr

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import mla_cute
 from mla_cute import _precompile_cli as cli
@@ -24,11 +25,24 @@ def test_named_sets_are_valid_configurations(monkeypatch):
     seen = []
     monkeypatch.setattr(cute, "precompile_dense", lambda *a: seen.append(("dense", a)))
     monkeypatch.setattr(cute, "precompile_sparse", lambda *a: seen.append(("sparse", a)))
+    monkeypatch.setattr(cute, "precompile_writer", lambda *a: seen.append(("writer", a)))
     for name, configs in cli.SETS.items():
         seen.clear()
         assert mla_cute.precompile(configs) == len(configs) == len(seen)
-    assert {a[5] for kind, a in seen} == {"V4"} and all(a[6] for kind, a in seen)  # V4 with its extra cache
-    assert len(cli.SETS["deepseek-v32-sparse"]) == 32 and len(cli.SETS["deepseek-v3-dense"]) == 32
+    sparse = [a for kind, a in seen if kind == "sparse"]
+    assert {a[5] for a in sparse} == {"V4"} and all(a[6] for a in sparse)  # V4 with its extra cache
+    assert [a for kind, a in seen if kind == "writer"] == [("V4", torch.bfloat16, torch.int32),
+                                                           ("V4", torch.bfloat16, torch.int64)]
+    assert len(cli.SETS["deepseek-v32-sparse"]) == 32 + 2 and len(cli.SETS["deepseek-v3-dense"]) == 32
+
+
+def test_precompile_checks_writer_configurations():
+    with pytest.raises(ValueError, match="precompile config 0 has unknown keys"):
+        mla_cute.precompile([dict(write_cache=True, h_q=64)])
+    with pytest.raises(TypeError, match="precompile config 0: slot_dtype must be"):
+        mla_cute.precompile([dict(write_cache=True, slot_dtype=torch.float32)])
+    with pytest.raises(ValueError, match="kv_format must be one of"):
+        mla_cute.precompile([dict(write_cache=True, kv_format="V5")])
 
 
 @pytest.mark.parametrize("jobs", [1, 2])
@@ -43,9 +57,9 @@ def test_runner_builds_every_configuration_once(jobs):
 
 def test_command_line(capsys):
     assert cli.main(["--list"]) == 0
-    assert "deepseek-v32-sparse: 32 configurations" in capsys.readouterr().out
+    assert "deepseek-v32-sparse: 34 configurations" in capsys.readouterr().out
     assert cli.main(["--sets", "deepseek-v4-sparse", "--dry-run"]) == 0
-    assert capsys.readouterr().out.count("kv_format=V4") == 16
+    assert capsys.readouterr().out.count("kv_format=V4") == 16 + 2  # and its two writers
     for bad in (["--sets", "deepseek-v9"], [], ["--sets", "deepseek-v3-dense", "--jobs", "0"]):
         with pytest.raises(SystemExit):
             cli.main(bad)

@@ -228,6 +228,16 @@ def check_cache_layout(k_cache: torch.Tensor, kv_format: str, name: str, kernel:
                                   f"got block stride {k_cache.stride(0)}{pad}")
 
 
+def _writer_config(kv_format: str, dtype: torch.dtype, slot_dtype: torch.dtype) -> WriteCacheConfig:
+    return WriteCacheConfig(kv_format, str(dtype).replace("torch.", ""), str(slot_dtype).replace("torch.", ""))
+
+
+def precompile_writer(kv_format: str, dtype: torch.dtype, slot_dtype: torch.dtype) -> None:
+    from ..kernels.build import compile_write_cache
+
+    compile_write_cache(_writer_config(kv_format, dtype, slot_dtype))
+
+
 def write_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor, kv_format: str) -> None:
     """``write_kv_cache`` in one launch of the cache writer (``kernels/write_cache.py``), arguments checked."""
     from ..kernels.build import compile_write_cache
@@ -236,8 +246,7 @@ def write_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: tor
     if new_rows.shape[0] == 0:
         return
     rows = new_rows if _aligned_rows(new_rows) else _packed_copy(new_rows)
-    kernel = compile_write_cache(WriteCacheConfig(kv_format, str(new_rows.dtype).replace("torch.", ""),
-                                                  str(slot_mapping.dtype).replace("torch.", "")))
+    kernel = compile_write_cache(_writer_config(kv_format, new_rows.dtype, slot_mapping.dtype))
     data, scale, _ = PAGE_BLOCKED.get(kv_format, (BYTES_PER_TOKEN[kv_format], 0, 0))
     raw = k_cache.view(torch.uint8)
     pages = torch.as_strided(raw, (raw.shape[0], (data + scale) * raw.shape[1]), (raw.stride(0), 1),
