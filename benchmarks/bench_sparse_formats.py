@@ -2,7 +2,8 @@
 every call ``use_legacy=True``) where it reads the format (V32_NO_ROPE, V4), and our V41 and V41_PAGED beside our
 V4 on the same rows (V4.1 has no Hopper peer).  Head counts below 64 are timed beside FlashMLA on q padded to 64 heads (its
 smallest).  ``--extra-topk N``: each query also attends to N tokens of an extra cache of the same format (a
-request's window of 4096 tokens, page 64), one softmax over both (``extra_k_cache``).
+request's window of 4096 tokens, page 64), one softmax over both (``extra_k_cache``); ``--extra-format V41_FP4``: the
+V41 rows' extra cache in V4.1's FP4 format (their V4 peer keeps a V4 extra cache).
 
 Per row: random bf16 latent rows (page 64, s_k tokens a request, blocks placed at random) quantized to the format
 by ``mla_cute.quantize_kv_cache``; random distinct topk tokens per query; metadata computed on the first call and
@@ -12,7 +13,8 @@ ratio = peer's us / ours.  Outputs are checked against each other first (relativ
 padded peer over the real heads).
 
     python benchmarks/bench_sparse_formats.py [--formats V32_NO_ROPE,V4,V41] [--heads 64,128] [--quick]
-                                              [--extra-topk 128] [--rounds 3] [--out rows.json]
+                                              [--extra-topk 128 [--extra-format V41_FP4]] [--rounds 3]
+                                              [--out rows.json]
 """
 
 from __future__ import annotations
@@ -66,15 +68,16 @@ def make_inputs(fmt, b, s_q, h_q, topk, extra_topk=0):
     return q, _indices(g, b, s_q, S_K, topk), extra
 
 
-def _kwargs(fmt, q, indices, extra):
+def _kwargs(fmt, q, indices, extra, extra_fmt=None):
     kw = dict(is_fp8_kvcache=True, indices=indices, kv_format=fmt)
     if extra is not None:
-        kw.update(extra_k_cache=_cache(fmt, q.shape[0], WINDOW), extra_indices_in_kvcache=extra)
+        kw.update(extra_k_cache=_cache(extra_fmt or fmt, q.shape[0], WINDOW), extra_indices_in_kvcache=extra)
     return kw
 
 
-def ours(fmt, q, indices, extra=None):
-    cache, meta, kw = _cache(fmt, q.shape[0]), mla_cute.get_mla_metadata()[0], _kwargs(fmt, q, indices, extra)
+def ours(fmt, q, indices, extra=None, extra_fmt=None):
+    cache, meta = _cache(fmt, q.shape[0]), mla_cute.get_mla_metadata()[0]
+    kw = _kwargs(fmt, q, indices, extra, extra_fmt)
     return lambda: mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, backend="cute", **kw)
 
 
@@ -87,9 +90,9 @@ def flashmla(fm, fmt, q, indices, extra=None):
     return lambda: fm.flash_mla_with_kvcache(q, cache, None, None, 512, meta, use_legacy=True, **kw)
 
 
-def row(fm, fmt, b, s_q, h_q, topk, rounds, extra_topk=0):
+def row(fm, fmt, b, s_q, h_q, topk, rounds, extra_topk=0, extra_fmt=None):
     q, indices, extra = make_inputs(fmt, b, s_q, h_q, topk, extra_topk)
-    mine = ours(fmt, q, indices, extra)
+    mine = ours(fmt, q, indices, extra, extra_fmt if fmt in ("V41", "V41_PAGED") else None)
     if fmt in ("V41", "V41_PAGED"):
         peer_name, peer = "mla-cute V4", ours("V4", q, indices, extra)
     else:
@@ -101,7 +104,8 @@ def row(fm, fmt, b, s_q, h_q, topk, rounds, extra_topk=0):
     warm_gpu()
     times = flashmla_side.interleaved({"ours": mine, "peer": peer}, rounds, lambda fn: bench(fn, **REPS) * 1e3)
     us, peer_us = flashmla_side.median(times["ours"]), flashmla_side.median(times["peer"])
-    return dict(kv_format=fmt, b=b, s_q=s_q, h_q=h_q, topk=topk, extra_topk=extra_topk, us=us, us_rounds=times["ours"], peer=peer_name,
+    return dict(kv_format=fmt, b=b, s_q=s_q, h_q=h_q, topk=topk, extra_topk=extra_topk,
+                extra_format=(extra_fmt if fmt in ("V41", "V41_PAGED") else None) or (fmt if extra_topk else None), us=us, us_rounds=times["ours"], peer=peer_name,
                 peer_us=peer_us, peer_us_rounds=times["peer"], ratio=peer_us / us, rel_err_vs_peer=err)
 
 
@@ -112,6 +116,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="b 64 and 128, s_q 2, topk 2048 only")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--extra-topk", type=int, default=0, help="an extra cache's tokens a query (0: none)")
+    ap.add_argument("--extra-format", default=None, help="the V41 rows' extra cache format (default: theirs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     fm = flashmla_side.flash_mla()
@@ -125,7 +130,7 @@ def main():
     recs = []
     for fmt, b in itertools.product(formats, grid[0]):
         for s_q, h_q, topk in itertools.product(grid[1], heads, grid[2]):
-            rec = row(fm, fmt, b, s_q, h_q, topk, args.rounds, args.extra_topk)
+            rec = row(fm, fmt, b, s_q, h_q, topk, args.rounds, args.extra_topk, args.extra_format)
             recs.append(rec)
             print(f"| {fmt} | {b} | {s_q} | {h_q} | {topk} | {args.extra_topk} | {rec['us']:.1f} | {rec['peer']} "
                   f"| {rec['peer_us']:.1f} "

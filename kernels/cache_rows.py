@@ -19,6 +19,12 @@ RoPE piece.
                too, so they take the operand type); scale row t at 576 page + 8 t: 7 ue8m0 (one per 64:
                piece m's is byte 2 m + l / 4).  d_qk 512.
 
+  V41_FP4      the extra cache beside a V41 or V41_PAGED main cache (a second codec of the kernel), 288 B: lane
+               l's piece m is 16 e2m1 codes, the 8 bytes at 64 m + 8 l (slot m's first two words); the 32 e4m3
+               scales at 256 fill the scale and RoPE slots (piece m's is byte 8 m + l).  A code becomes its
+               fp16 value through a byte table (``prmt``: the 8 magnitudes' high bytes, their low bytes zero)
+               and its sign bit; times the scale, exact in fp16.  d_qk 512.
+
 A ue8m0 byte e is the scale 2^(e - 127), made as the fp32 of bits e << 23 and rounded to fp16 like V32's
 fp32 scales: exact for the quantizers' scales, 2^-13 and up.  fp16 holds the dequantized values up to
 65504 (a scale up to 2^7), and V4's RoPE values alike (larger ones become inf).
@@ -28,6 +34,8 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 PIECE = 16  # bytes per load
 WORDS = PIECE // 4
@@ -85,6 +93,14 @@ class CacheRows:
     def scale(self, raw, k, m, lane):
         """Latent piece ``m``'s scale, fp32."""
         return cute.recast_tensor(raw[None, SCALE_SLOT, k], cutlass.Float32)[m]
+
+    @cute.jit
+    def piece(self, raw, k, m, lane, dtype):
+        """Latent piece ``m`` of row ``k`` dequantized: its 16 values in ``dtype`` (e4m3 times the scale rounded
+        to ``dtype``, one multiply per two values)."""
+        scale = self.scale(raw, k, m, lane)
+        fp8 = cute.recast_tensor(raw[None, m, k], cutlass.Float8E4M3FN)
+        return fp8.load().to(dtype) * scale.to(dtype)
 
 
 class V32Rows(CacheRows):
@@ -168,11 +184,68 @@ class V4Rows(PageBlocked, CacheRows):
         return ue8m0_scale(raw[m // 2, SCALE_SLOT, k], 2 * (m % 2) + (lane >> 2))
 
 
-ROWS = {"V32": V32Rows, "V32_NO_ROPE": NoRopeRows, "V41": V41Rows, "V41_PAGED": V41PagedRows, "V4": V4Rows}
+@dsl_user_op
+def byte_perm(a: cutlass.Int32, b: cutlass.Int32, selector: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
+    """``prmt.b32``: byte i of the result is byte (nibble i of ``selector``) of the 8 bytes b:a."""
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for x in (a, b, selector)],
+        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+# The fp16 high bytes of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (their low bytes are zero), in prmt's order.
+E2M1_HIGH_BYTES = (0x3E3C3800, 0x46444240)
+
+
+class Fp4Rows(CacheRows):
+    """V41_FP4, an extra cache's codec (the module docstring)."""
+
+    row_bytes = 288
+    whole_tile_rows_in_flight = 2
+
+    @cute.jit
+    def load(self, raw, k, src, blk_id, off):
+        row = src.mCache[blk_id, off, None]
+        for m in cutlass.range_constexpr(LATENT_PIECES):
+            cute.autovec_copy(cute.local_tile(row, (2,), (m * 8 + src.lane,)), cute.local_tile(raw[None, m, k], (2,), (0,)))
+        cute.autovec_copy(cute.local_tile(row, (WORDS,), (256 // PIECE,)), raw[None, SCALE_SLOT, k])
+        cute.autovec_copy(cute.local_tile(row, (WORDS,), (256 // PIECE + 1,)), raw[None, ROPE_SLOT, k])
+
+    @cute.jit
+    def scale(self, raw, k, m, lane):
+        # Byte 8 m + l of the 32: word 2 m + l / 4 (pieces 2, 3 in the RoPE slot), byte l % 4; e4m3 to fp32.
+        slot = SCALE_SLOT if m < 2 else ROPE_SLOT
+        word = cutlass.select_(lane < 4, raw[2 * (m % 2), slot, k], raw[2 * (m % 2) + 1, slot, k])
+        byte = (word >> ((lane & 3) * 8)) & 0x7F  # a scale is positive
+        bits = cute.make_rmem_tensor((1,), cutlass.Int32)
+        bits[0] = byte << 20
+        value = cute.recast_tensor(bits, cutlass.Float32)[0] * cutlass.Float32(2.0 ** 120)
+        if byte < 8:  # subnormal: m 2^-9
+            value = cutlass.Float32(byte) * cutlass.Float32(2.0 ** -9)
+        return value
+
+    @cute.jit
+    def piece(self, raw, k, m, lane, dtype):
+        """The 16 codes (two words, 8 each, the first in the low nibble) as fp16 pairs: for each byte (codes 2 j,
+        2 j + 1), prmt picks [0, high byte of |c_2j|, 0, high byte of |c_2j+1|] and the sign bits follow."""
+        halves = cute.make_rmem_tensor((PIECE // 2,), cutlass.Int32)
+        for w in cutlass.range_constexpr(2):
+            codes = raw[w, m, k]
+            for j in cutlass.range_constexpr(4):
+                x = codes >> (8 * j)
+                selector = ((x & 0x7) << 4) | ((x & 0x70) << 8)
+                mag = byte_perm(E2M1_HIGH_BYTES[0], E2M1_HIGH_BYTES[1], selector)
+                halves[4 * w + j] = mag | ((x & 0x8) << 12) | ((x & 0x80) << 24)
+        vals = cute.recast_tensor(halves, cutlass.Float16).load()
+        return (vals * self.scale(raw, k, m, lane).to(cutlass.Float16)).to(dtype)
+
+
+ROWS = {"V32": V32Rows, "V32_NO_ROPE": NoRopeRows, "V41": V41Rows, "V41_PAGED": V41PagedRows, "V4": V4Rows,
+        "V41_FP4": Fp4Rows}
 
 
 def cache_rows(kv_format: str) -> CacheRows:
-    """The producer's steps for ``kv_format`` (a sparse decode kernel's config field)."""
+    """The producer's steps for ``kv_format`` (a sparse decode kernel's config field, or its extra cache's)."""
     if kv_format not in ROWS:
         raise ValueError(f"kv_format: the sparse decode kernel reads {sorted(ROWS)}, got {kv_format!r}")
     return ROWS[kv_format]()

@@ -89,9 +89,10 @@ def dense_decode_signature(dtype, s_q: int, h_q: int, h_kv: int, page: int):
 
 
 def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length: bool, partials_16bit: bool = False,
-                            max_logits: bool = False, kv_format: str = "V32", extra_cache: bool = False):
+                            max_logits: bool = False, kv_format: str = "V32", extra_cache: str = ""):
     """Fake tensors matching ``SparseDecodeFp8Kernel.__call__`` (and the sparse step's); without ``max_logits``
-    None in its place, without ``extra_cache`` None for the extra cache, its indices and lengths."""
+    None in its place, without ``extra_cache`` (the extra cache's format) None for the extra cache, its indices and
+    lengths."""
     from .cache_rows import cache_rows
 
     rows = cache_rows(kv_format)
@@ -104,9 +105,9 @@ def sparse_decode_signature(s_q: int, h_q: int, has_sink: bool, has_topk_length:
     indices = make_fake_tensor(cutlass.Int32, (b, s_q, topk), (_sym(1, 64), _sym(1, 64), 1), assumed_align=4)
     topk_len = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4) if has_topk_length else None
     extra = (None, None, None)
-    if extra_cache:  # its own blocks, page size and topk
-        extra = (make_fake_tensor(cutlass.Int32, (_sym(), _sym(), rows.row_words), (_sym(4, 64), rows.row_words, 1),
-                                  assumed_align=16),
+    if extra_cache:  # its own format, blocks, page size and topk
+        words = cache_rows(extra_cache).row_words
+        extra = (make_fake_tensor(cutlass.Int32, (_sym(), _sym(), words), (_sym(4, 64), words, 1), assumed_align=16),
                  make_fake_tensor(cutlass.Int32, (b, s_q, _sym()), (_sym(1, 64), _sym(1, 64), 1), assumed_align=4),
                  make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4))
     sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if has_sink else None

@@ -5,7 +5,8 @@ plan below is V32's (656-byte rows, d_qk 576, a bf16 RoPE block of 64 columns); 
 (V32_NO_ROPE, V4, V41, V41_PAGED) have no RoPE block (the same storage; Q and S span 512 columns, and V4's RoPE values
 are columns 448-511, fp16), and give registers 152 / 192 / 160.  With ``extra_cache`` a request's tiles run
 over its main tokens, then over the extra cache's (``sparse_tiles.py``): the producer's indices name rows of
-either cache, the consumers see one request.
+either cache, the consumers see one request.  The extra cache has the main one's format, or V41_FP4 beside
+V41 / V41_PAGED: a second codec, which dequantizes the extra tiles' rows.
 
 Each query token attends to the ``topk`` cache rows its ``indices`` name.  One CTA serves
 one (SM part, query token s, 64-head tile); its part of the batch comes from the split-KV
@@ -127,7 +128,11 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         self.peer_tx_bytes = (BLOCK_N // 2) * (self.rows.tile_cols * 2 + 4)
         # The leader keeps each row's exact max for max_logits (prefill from the FP8 cache: whole requests).
         self.max_logits = config.max_logits
-        self.extra_cache = config.extra_cache
+        self.extra_cache = bool(config.extra_cache)
+        # The extra cache's codec: the main cache's format, or V41_FP4 beside V41 / V41_PAGED (a second codec,
+        # picked per row: a tile is all main rows or all extra ones).
+        self.extra_rows = cache_rows(config.extra_cache) if config.extra_cache else None
+        self.two_codecs = bool(config.extra_cache) and config.extra_cache != config.kv_format
         self.head_tiles = config.head_tiles
         self.kv_stages = 2
         # The two 64-head tiles of a pair share every token tile (2-CTA cluster); each CTA hands the peer its
@@ -194,7 +199,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
             raise ValueError(f"extra_cache: the kernel is built with extra_cache={self.extra_cache}")
         extra_scales = None
         if cutlass.const_expr(self.extra_cache):
-            extra_scales = self.rows.scale_view(mExtraCache)
+            extra_scales = self.extra_rows.scale_view(mExtraCache)
         # (h_q, d_qk, s_q, b): feature-contiguous, as TMA wants; heads past h_q read as zeros.
         q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 3, 1, 0]))
         mma_qk_first, tiled_mma_qk, tiled_mma_pv = make_consumer_mmas(self.operand_dtype)
@@ -581,7 +586,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                         e = idx - src.num_rows
                         blk_id = e // src.extra.page
                         row = src.extra.mCache[blk_id, e - blk_id * src.extra.page, None]
-                        cute.arch.prefetch((row.iterator + word).llvm_ptr, cache_level="L2")
+                        extra_word = cutlass.min(src.lane * (128 // 4), self.extra_rows.row_words - 1)
+                        cute.arch.prefetch((row.iterator + extra_word).llvm_ptr, cache_level="L2")
 
     @cute.jit
     def load_row(self, gather, k, src, idx, ok):
@@ -604,7 +610,8 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                 else:
                     e = idx - src.num_rows
                     blk_id = e // src.extra.page
-                    self.rows.load(raw, k, src.extra, blk_id, e - blk_id * src.extra.page)
+                    self.extra_rows.load(raw, k, src.extra, blk_id, e - blk_id * src.extra.page)
+                    gather.valid[k] = 2  # an extra row: with two codecs, the extra one dequantizes it
 
     @cute.jit
     def hand_over(self, stores, stage, full_bar, warp, lane_w, first, skip: cutlass.Constexpr = 0):
@@ -632,10 +639,14 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     @cute.jit
     def store_piece(self, gather, k, m, tok, stage, lane, stores):
         raw = gather.raw
-        scale = self.rows.scale(raw, k, m, lane)
-        fp8 = cute.recast_tensor(raw[None, m, k], cutlass.Float8E4M3FN)
         piece = cute.make_rmem_tensor((PIECE,), self.operand_dtype)
-        piece.store(fp8.load().to(self.operand_dtype) * scale.to(self.operand_dtype))
+        if cutlass.const_expr(self.two_codecs):
+            if gather.valid[k] == 2:
+                piece.store(self.extra_rows.piece(raw, k, m, lane, self.operand_dtype))
+            else:
+                piece.store(self.rows.piece(raw, k, m, lane, self.operand_dtype))
+        else:
+            piece.store(self.rows.piece(raw, k, m, lane, self.operand_dtype))
         words = cute.recast_tensor(piece, cutlass.Int32)
         for h in cutlass.range_constexpr(2):
             # The swizzled offset of the thread's first piece: the others are whole blocks further.
@@ -896,7 +907,7 @@ class RowSource:
 
 @dataclasses.dataclass
 class ExtraRows:
-    """The extra cache (same format as the main one, its own page size and blocks): its rows, scales (V4),
+    """The extra cache (its own format, page size and blocks): its rows, scales (page-blocked formats),
     this token's indices and its row count; ``lane`` as the main source's.  Its row ``e`` is id
     ``num_rows + e`` in a tile's indices (``num_rows``: the main cache's)."""
 

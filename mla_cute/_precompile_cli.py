@@ -30,7 +30,7 @@ def _dense(dtypes=(torch.bfloat16, torch.float16)) -> list:
             for dtype in dtypes for s_q in QUERIES for h_q in HEADS]
 
 
-def _sparse(kv_format: str, extra_cache: bool = False) -> list:
+def _sparse(kv_format: str, extra_cache=False) -> list:
     """With and without topk_length; with an extra cache the kernels read lengths whichever a call passes."""
     lengths = (True,) if extra_cache else (False, True)
     return [dict(sparse=True, s_q=s_q, h_q=h_q, kv_format=kv_format, topk_length=given, extra_cache=extra_cache)

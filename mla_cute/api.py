@@ -89,6 +89,7 @@ class FlashMLASchedMeta:
         extra_page_block_size: Optional[int] = None
         extra_topk: Optional[int] = None
         kv_format: Optional[str] = None  # sparse: the cache's format (one metadata object serves one)
+        extra_kv_format: Optional[str] = None  # sparse: the extra cache's format
 
     have_initialized: bool = False
     config: Optional[Config] = None
@@ -346,6 +347,7 @@ def flash_mla_with_kvcache(
         False, True, indices.shape[-1], kv_format=fmt,
         extra_page_block_size=extra_k_cache.shape[1] if given else None,
         extra_topk=extra_indices_in_kvcache.shape[-1] if given else None,
+        extra_kv_format=extra_fmt,
     )
     first = _check_metadata(tile_scheduler_metadata, config, topk_length, extra_topk_length)
     if first:
@@ -357,7 +359,7 @@ def flash_mla_with_kvcache(
             extra = (extra_k_cache, extra_fmt, extra_indices_in_kvcache, extra_topk_length) if given else None
             return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v,
                                                fmt, extra)
-        extra = (extra_k_cache, extra_indices_in_kvcache, extra_topk_length) if given else None
+        extra = (extra_k_cache, extra_fmt, extra_indices_in_kvcache, extra_topk_length) if given else None
         out, lse = cute.sparse_decode(
             q, k_cache, indices, topk_length, attn_sink, softmax_scale, tile_scheduler_metadata, first, sched, fmt,
             extra,
@@ -512,7 +514,8 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64) and ``schedule``.
     Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
     ``attn_sink`` and ``topk_length`` (False: whether calls pass one), ``kv_format`` ("V32"), ``extra_cache``
-    (False: whether calls pass ``extra_k_cache``) and ``schedule``.
+    (False: whether calls pass ``extra_k_cache``; True: one of ``kv_format``, or its format's name, e.g.
+    "V41_FP4") and ``schedule``.
     The cache writer (:func:`write_kv_cache`): a dict with ``write_cache=True`` and optionally ``kv_format``
     ("V32"), ``dtype`` (the rows', torch.bfloat16) and ``slot_dtype`` (torch.int64); one kernel each.
     Sparse prefill (:func:`flash_mla_sparse_fwd`): a dict with ``prefill=True``, ``h_q`` and optionally
@@ -556,8 +559,15 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         if sparse:
             fmt = format_of(None, cfg.get("kv_format", "V32"), "kv_format")
             cute.check_kernel_format(fmt, f"precompile config {i}")
+            extra = cfg.get("extra_cache", False)
+            if extra is True:
+                extra = fmt
+            elif extra is False:
+                extra = ""
+            else:
+                extra = format_of(None, extra, "extra_cache")
             cute.precompile_sparse(cfg["s_q"], cfg["h_q"], bool(cfg.get("attn_sink", False)), sched,
-                                   bool(cfg.get("topk_length", False)), fmt, bool(cfg.get("extra_cache", False)))
+                                   bool(cfg.get("topk_length", False)), fmt, extra)
             count += 1
             continue
         if cfg["dtype"] not in V.HALF_DTYPES:

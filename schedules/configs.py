@@ -94,9 +94,10 @@ class SparseSplitConfig:
     logit (prefill from the FP8 cache, ``flash_mla_sparse_fwd``); its plans never split a request
     (``planner.whole_token_plan``), so no combine is needed.  ``kv_format``: the cache's format
     (``kernels/cache_rows.py``): "V32" (656-byte rows, d_qk 576), "V32_NO_ROPE", "V41" (528), "V41_PAGED" (528,
-    page-blocked) or "V4" (584, page-blocked), d_qk 512.  ``extra_cache``: a second cache of the same format (``extra_k_cache``, its
-    own page size), its tokens after the main ones in one softmax (``kernels/sparse_tiles.py``); the kernel
-    then takes both caches' lengths, so ``has_topk_length`` is set."""
+    page-blocked) or "V4" (584, page-blocked), d_qk 512.  ``extra_cache``: the format of a second cache
+    (``extra_k_cache``, its own page size; "": none), its tokens after the main ones in one softmax
+    (``kernels/sparse_tiles.py``): the main cache's format, or "V41_FP4" beside a V41 or V41_PAGED main cache;
+    the kernel then takes both caches' lengths, so ``has_topk_length`` is set."""
 
     s_q: int
     h_q: int
@@ -107,11 +108,15 @@ class SparseSplitConfig:
     partials_16bit: bool
     max_logits: bool = False
     kv_format: str = "V32"
-    extra_cache: bool = False
+    extra_cache: str = ""
 
     def __post_init__(self):
         if self.extra_cache and not self.has_topk_length:
             raise ValueError("extra_cache: the kernel reads both caches' lengths, so has_topk_length must be set")
+        if self.extra_cache not in ("", self.kv_format) and not (
+                self.extra_cache == "V41_FP4" and self.kv_format in ("V41", "V41_PAGED")):
+            raise ValueError(f"extra_cache: the kernel reads an extra cache of the main cache's format "
+                             f"({self.kv_format}) or V41_FP4 beside V41 / V41_PAGED, got {self.extra_cache!r}")
 
     @property
     def head_tiles(self) -> int:

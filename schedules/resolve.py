@@ -184,13 +184,13 @@ def dense_precompile_steps(schedule: DenseDecodeSchedule, *, dtype: str, s_q: in
 
 def resolve_sparse(schedule: SparseDecodeSchedule, *, b: int, s_q: int, h_q: int, topk: int, has_sink: bool,
                    has_topk_length: bool, device: DeviceFacts = HOPPER, capturing: bool = False,
-                   kv_format: str = "V32", extra_cache: bool = False) -> SparseCall:
+                   kv_format: str = "V32", extra_cache: str = "") -> SparseCall:
     """The sparse call's kernels and plan.  Rules: the crossover where the 64-head tiles pair; a small plan
     (``small_plan_tiles``, from the shapes) takes the small fixed cost and 16-bit partials and leaves the
     producer whole, other plans split the crossover's producer in halves; the combine is left out when every
     request has ``topk`` tokens (no ``topk_length``), the plan splits none and no CUDA graph is being captured.
-    ``kv_format``: the cache's format; ``extra_cache``: a second cache of that format (``topk`` then counts both
-    caches' tiles, and the kernel reads lengths: ``has_topk_length`` must be set)."""
+    ``kv_format``: the cache's format; ``extra_cache``: a second cache's format ("": none; ``topk`` then counts
+    both caches' tiles, and the kernel reads lengths: ``has_topk_length`` must be set)."""
     if extra_cache and not has_topk_length:
         raise ValueError("extra_cache: the kernel reads both caches' lengths; pass has_topk_length=True")
     parts = schedule.num_sm_parts or sparse_num_sm_parts_for(device.num_sms, s_q, h_q)
@@ -204,7 +204,7 @@ def resolve_sparse(schedule: SparseDecodeSchedule, *, b: int, s_q: int, h_q: int
 
 
 def _sparse_kernels(schedule: SparseDecodeSchedule, s_q: int, h_q: int, has_sink: bool, has_topk_length: bool,
-                    small: bool, kv_format: str, extra_cache: bool = False
+                    small: bool, kv_format: str, extra_cache: str = ""
                     ) -> tuple[SparseSplitConfig, CombineConfig, SchedulerConfig]:
     """The split kernel's, the combine's and the scheduler's configs of a small plan or another: the crossover
     where the 64-head tiles pair (with producer halves unless small), 16-bit partials and the small fixed cost
@@ -219,11 +219,11 @@ def _sparse_kernels(schedule: SparseDecodeSchedule, s_q: int, h_q: int, has_sink
 
 
 def sparse_precompile_steps(schedule: SparseDecodeSchedule, *, s_q: int, h_q: int, has_sink: bool,
-                            has_topk_length: bool, kv_format: str = "V32", extra_cache: bool = False) -> list:
+                            has_topk_length: bool, kv_format: str = "V32", extra_cache: str = "") -> list:
     """Every (step, scheduler) a sparse call of this shape can resolve to: small plans and others, with the
     combine and, without ``topk_length`` (nor an extra cache, whose kernel reads lengths), without it."""
     out = []
-    has_topk_length = has_topk_length or extra_cache
+    has_topk_length = has_topk_length or bool(extra_cache)
     for small in ((False, True) if schedule.small_plan_tiles else (False,)):
         split, combine, sched = _sparse_kernels(schedule, s_q, h_q, has_sink, has_topk_length, small, kv_format,
                                                 extra_cache)

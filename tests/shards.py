@@ -24,7 +24,7 @@ GRID = re.compile(r"test_dense_grid\[(\d+)-(\d+)-(\d+)-(\d+)-(\d+)-(\w+)-(\w+)\]
 PREFILL_GRID = re.compile(r"test_prefill_grid\[(\d+)-(\d+)-\d+-\d+-\d+-([\w+]+)\]")
 FP8_PREFILL_GRID = re.compile(r"test_prefill_fp8_grid\[(\d+)-\d+-\d+-\d+-([\w+]+)\]")
 FORMAT_GRID = re.compile(r"test_format_grid\[(\w+)-\d+-(\d+)-(\d+)-")
-EXTRA_CACHE = re.compile(r"test_extra_cache_\w+\[[^\]]+\]")
+EXTRA_CACHE = re.compile(r"test_extra_(?:fp4_)?cache_\w+\[[^\]]+\]")
 
 
 def group_of(test_id: str) -> str:

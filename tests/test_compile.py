@@ -77,7 +77,7 @@ def _dense_step(dtype: str, s_q: int, h_q: int, h_kv: int, causal: bool, *, with
 
 
 def _sparse_step(s_q: int, h_q: int, has_sink: bool = False, *, has_topk_length: bool = False,
-                 with_combine: bool = False, kv_format: str = "V32", extra_cache: bool = False, **split):
+                 with_combine: bool = False, kv_format: str = "V32", extra_cache: str = "", **split):
     """The sparse step the resolver makes for this shape on a plan that is not small, its split config's fields
     ``split`` replaced (the crossover, its producer halves and 16-bit partials are chosen per shape and plan)."""
     import dataclasses
@@ -378,19 +378,21 @@ def test_sparse_decode_reads_each_cache_format_without_spills(fmt, s_q, h_q, cro
     _check_register_split(ptx, regs)
 
 
-@pytest.mark.parametrize("fmt,h_q,crossover,halves,max_spill", [("V4", 128, True, True, 0), ("V32", 128, True, False, 0),
-                                                               ("V32", 64, False, False, 0), ("V4", 64, False, False, 64)])
-def test_sparse_decode_over_two_caches_compiles(fmt, h_q, crossover, halves, max_spill, capfd):
+@pytest.mark.parametrize("fmt,extra,h_q,crossover,halves,max_spill", [
+    ("V4", "V4", 128, True, True, 0), ("V32", "V32", 128, True, False, 0), ("V32", "V32", 64, False, False, 0),
+    ("V4", "V4", 64, False, False, 64), ("V41", "V41_FP4", 128, True, True, 0), ("V41", "V41_FP4", 64, False, False, 64),
+    ("V41_PAGED", "V41_FP4", 128, True, False, 0)])
+def test_sparse_decode_over_two_caches_compiles(fmt, extra, h_q, crossover, halves, max_spill, capfd):
     """The kernel over an extra cache: its rows and indices are loaded beside the main cache's (two index
-    streams, rows from both caches); the d_qk-512 formats' whole-tile gather spills a little (at most
-    ``max_spill`` bytes), the rest none."""
+    streams, rows from both caches; V41_FP4's through its own codec: 8-byte code loads, prmt table lookups);
+    the d_qk-512 formats' whole-tile gather spills a little (at most ``max_spill`` bytes), the rest none."""
     from mla_cute.kernels.build import compile_sparse
 
-    step = _sparse_step(2, h_q, True, extra_cache=True, crossover=crossover, producer_halves=halves)
-    assert step.split.extra_cache and step.split.has_topk_length
-    step = dataclasses.replace(step, split=dataclasses.replace(step.split, kv_format=fmt))
+    step = _sparse_step(2, h_q, True, kv_format=fmt, extra_cache=extra, crossover=crossover, producer_halves=halves)
+    assert step.split.extra_cache == extra and step.split.has_topk_length
     ptx = compile_sparse(step, options=OPTIONS).__ptx__
-    assert ptx.count("ld.global.v4.b32") >= 20 and "cvt.rn.f16x2.e4m3x2" in ptx
+    assert ptx.count("ld.global.v4.b32") >= 16 and "cvt.rn.f16x2.e4m3x2" in ptx
+    assert ("prmt.b32" in ptx and "ld.global.v2.b32" in ptx) == (extra == "V41_FP4")
     err = capfd.readouterr().err
     _assert_wgmma_not_serialized(err)
     spills, regs = _ptxas_report(err)

@@ -255,9 +255,9 @@ def test_sparse_extra_cache_arguments_handed_to_the_step(sparse_recorder):
     topk_length = torch.tensor([0, 70, 500], dtype=torch.int32)
     meta = get_mla_metadata()[0]
     cute.sparse_decode(q, k_cache, indices, topk_length, None, 0.25, meta, True, sched, "V32",
-                       (extra_cache, extra_idx, extra_len))
+                       (extra_cache, "V32", extra_idx, extra_len))
     split = sparse_recorder["compiled"][0].split
-    assert split.extra_cache and split.has_topk_length and sparse_recorder["compiled"][0].with_combine
+    assert split.extra_cache == "V32" and split.has_topk_length and sparse_recorder["compiled"][0].with_combine
     # Main 0 / 70 / 128 (topk) tokens: 0 / 2 / 2 tiles, then 40 / 0 / 7 extra tokens.
     assert sparse_recorder["scheduler"][0][1].tolist() == [40, 128 + 0, 128 + 7]
     step = sparse_recorder["steps"][0]
@@ -265,7 +265,7 @@ def test_sparse_extra_cache_arguments_handed_to_the_step(sparse_recorder):
     assert step[4].dtype == torch.int32 and step[4].shape == (3, 32, 164)
     # Neither length given: the full ones, made once with the plan.
     meta = get_mla_metadata()[0]
-    cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True, sched, "V32", (extra_cache, extra_idx, None))
+    cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True, sched, "V32", (extra_cache, "V32", extra_idx, None))
     assert sparse_recorder["scheduler"][1][1].tolist() == [128 + 40] * 3
     step = sparse_recorder["steps"][1]
     assert step[3].tolist() == [128] * 3 and step[6].tolist() == [40] * 3
@@ -618,10 +618,13 @@ def test_precompile_sparse_configs(monkeypatch):
     monkeypatch.setattr(cute, "precompile_sparse", lambda *a: seen.append(a))
     x = SparseDecodeSchedule(split_fixed_cost=3)
     assert mla_cute.precompile([dict(sparse=True, s_q=2, h_q=128, attn_sink=True)], schedule=x) == 1
-    assert seen == [(2, 128, True, x, False, "V32", False)]
+    assert seen == [(2, 128, True, x, False, "V32", "")]
     assert mla_cute.precompile([dict(sparse=True, s_q=1, h_q=64, topk_length=True, kv_format="V4", extra_cache=True)],
                                schedule=x) == 1
-    assert seen[-1] == (1, 64, False, x, True, "V4", True)
+    assert seen[-1] == (1, 64, False, x, True, "V4", "V4")  # True: an extra cache of the main format
+    assert mla_cute.precompile([dict(sparse=True, s_q=1, h_q=64, topk_length=True, kv_format="V41",
+                                     extra_cache="V41_FP4")], schedule=x) == 1
+    assert seen[-1] == (1, 64, False, x, True, "V41", "V41_FP4")
     with pytest.raises(ValueError, match="kv_format must be one of"):
         mla_cute.precompile([dict(sparse=True, s_q=2, h_q=128, kv_format="V5")])
     with pytest.raises(NotImplementedError, match="V41_FP4"):

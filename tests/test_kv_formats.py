@@ -202,17 +202,17 @@ def test_reference_sparse_decode_per_format_matches_dequantize_then_attend(fmt, 
 
 
 def test_cute_backend_names_what_it_cannot_read_yet(monkeypatch):
-    """The cute kernel reads an extra cache of the main cache's format; V41_FP4 beside V41 it refuses by name
-    (before any launch)."""
+    """The cute kernel reads an extra cache of the main cache's format, or V41_FP4 beside V41; another format
+    beside V4 (the reference reads it) it refuses by name, before any launch."""
     import mla_cute.api as api
 
     monkeypatch.setattr(api, "select_backend", lambda device, backend: "cute")
     meta = mla_cute.get_mla_metadata()[0]
-    v41, _, idx = _decode_case("V41", 2, 16, 1, 1, 16, 8, seed=0)
-    fp4, _, extra_idx = _decode_case("V41_FP4", 2, 32, 1, 1, 16, 8, seed=1)
-    with pytest.raises(NotImplementedError, match="extra_k_cache: .* got V41_FP4"):
-        mla_cute.flash_mla_with_kvcache(torch.zeros(1, 1, 16, 512).bfloat16(), v41, None, None, 512, meta,
-                                        is_fp8_kvcache=True, indices=idx, extra_k_cache=fp4,
+    v4, _, idx = _decode_case("V4", 2, 16, 1, 1, 16, 8, seed=0)
+    v41, _, extra_idx = _decode_case("V41", 2, 32, 1, 1, 16, 8, seed=1)
+    with pytest.raises(NotImplementedError, match="extra_k_cache: .* got V41 "):
+        mla_cute.flash_mla_with_kvcache(torch.zeros(1, 1, 16, 512).bfloat16(), v4, None, None, 512, meta,
+                                        is_fp8_kvcache=True, indices=idx, extra_k_cache=v41,
                                         extra_indices_in_kvcache=extra_idx)
     assert not meta.have_initialized
 

@@ -1,6 +1,7 @@
 """Sparse decode over two caches in one call (``extra_k_cache``: V4's sliding-window cache beside its compressed
-one), on the H200 against the reference: one softmax over both index sets, per format, with the extra cache's
-own page size and block count, lengths on either side (0 included), sinks, each kernel variant, a CUDA graph."""
+one), on the H200 against the reference: one softmax over both index sets, per format and for V4.1's FP4 extra
+cache beside V41, with the extra cache's own page size and block count, lengths on either side (0 included),
+sinks, each kernel variant, a CUDA graph."""
 
 from __future__ import annotations
 
@@ -15,14 +16,19 @@ pytestmark = pytest.mark.gpu
 FORMATS = ["V32", "V32_NO_ROPE", "V4", "V41", "V41_PAGED"]
 
 
-def with_extra(case, *, nb=20, page=32, topk=128, lengths=None, invalid_frac=0.1, seed=0):
-    """``case`` (``make_sparse_case``'s) with an extra cache of its format: ``nb`` blocks of ``page`` tokens,
-    ``topk`` random indices a query (a fraction -1, some past the cache), ``extra_topk_length`` ``lengths``."""
+def with_extra(case, *, nb=20, page=32, topk=128, lengths=None, invalid_frac=0.1, seed=0, fmt=None):
+    """``case`` (``make_sparse_case``'s) with an extra cache of format ``fmt`` (default its own): ``nb`` blocks of
+    ``page`` tokens, ``topk`` random indices a query (a fraction -1, some past the cache), ``extra_topk_length``
+    ``lengths``.  V41_FP4 rows span e2m1's range: per 16 values a scale from 2^-8 to 2^2."""
     from mla_cute.kv_formats import HEAD_DIM, quantize_kv_cache
 
-    fmt = case.get("kv_format", "V32")
+    fmt = fmt or case.get("kv_format", "V32")
     gen = torch.Generator().manual_seed(seed)
     rows = (torch.randn(nb, page, 1, HEAD_DIM[fmt], generator=gen) * 0.1).clamp(-1, 1).bfloat16()
+    if fmt == "V41_FP4":
+        mag = torch.pow(2.0, torch.randint(-8, 3, (nb, page, 1, HEAD_DIM[fmt] // 16, 1), generator=gen).float())
+        rows = (torch.randn(nb, page, 1, HEAD_DIM[fmt] // 16, 16, generator=gen) * mag).reshape(rows.shape)
+        rows = (rows * 0.1).bfloat16()
     b, s_q = case["indices"].shape[:2]
     idx = torch.randint(0, nb * page, (b, s_q, topk), generator=gen, dtype=torch.int32)
     idx[torch.rand(idx.shape, generator=gen) < invalid_frac] = -1
@@ -39,11 +45,36 @@ def with_extra(case, *, nb=20, page=32, topk=128, lengths=None, invalid_frac=0.1
 def test_extra_cache_per_format(fmt, h_q):
     """Another page size and block count, with and without lengths on both sides."""
     case = make_sparse_case(8, 2, h_q, 1024, 512, 64, seed=h_q, kv_format=fmt)
-    run_and_check(with_extra(case, seed=1), expect=dict(extra_cache=True, crossover=h_q == 128))
+    run_and_check(with_extra(case, seed=1), expect=dict(extra_cache=fmt, crossover=h_q == 128))
     case = make_sparse_case(8, 2, h_q, 4096, 2048, 64, topk_length=[0, 1, 64, 65, 700, 2048, 5000, 0], seed=2,
                             kv_format=fmt)
     run_and_check(with_extra(case, page=16, topk=128, lengths=[128, 0, 64, 1, 0, 300, 77, 100], seed=3),
-                  expect=dict(extra_cache=True), reuse=2)
+                  expect=dict(extra_cache=fmt), reuse=2)
+
+
+@pytest.mark.parametrize("fmt", ["V41", "V41_PAGED"])
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_extra_fp4_cache_beside_v41(fmt, h_q):
+    """V4.1's FP4 extra cache (a second codec in the kernel) beside a V41 or V41_PAGED main cache: another page
+    size, lengths on both sides, 0 included, an extra topk not a multiple of 64."""
+    case = make_sparse_case(8, 2, h_q, 1024, 512, 64, seed=h_q + 1, kv_format=fmt)
+    run_and_check(with_extra(case, seed=31, fmt="V41_FP4"), expect=dict(extra_cache="V41_FP4", crossover=h_q == 128))
+    case = make_sparse_case(8, 2, h_q, 4096, 2048, 64, topk_length=[0, 1, 64, 65, 700, 2048, 5000, 0], seed=32,
+                            kv_format=fmt)
+    run_and_check(with_extra(case, page=16, topk=100, lengths=[100, 0, 64, 1, 0, 99, 77, 50], seed=33,
+                             fmt="V41_FP4"), expect=dict(extra_cache="V41_FP4"), reuse=2)
+
+
+@pytest.mark.parametrize("force", [WHOLE_TILE, dict(crossover=True, producer_halves=False),
+                                   dict(crossover=True, producer_halves=True), dict(partials_16bit=True)],
+                         ids=["whole-tile", "whole-producer", "producer-halves", "16bit-partials"])
+def test_extra_fp4_cache_kernel_variants(force):
+    """The FP4 extra cache through every kernel variant, with sinks; only the extra cache on some requests."""
+    sink = torch.randn(128) * 2
+    case = make_sparse_case(6, 2, 128, 4096, 1024, 64, topk_length=[1024, 0, 500, 3000, 64, 0], attn_sink=sink,
+                            seed=35, kv_format="V41")
+    run_and_check(with_extra(case, nb=9, page=64, topk=128, lengths=[128, 128, 0, 50, 1, 127], seed=36,
+                             fmt="V41_FP4"), force=force)
 
 
 @pytest.mark.parametrize("fmt", ["V32", "V4"])

@@ -268,12 +268,13 @@ def check_kernel_format(kv_format: str, name: str) -> None:
 
 def check_extra_cache_supported(k_cache: torch.Tensor, extra_k_cache: torch.Tensor, kv_format: str,
                                 extra_format: str) -> None:
-    """The sparse kernel reads an extra cache of the main cache's format, laid out as it needs (see
-    ``check_sparse_supported``), its rows numbered after the main cache's in 32 bits."""
-    if extra_format != kv_format:
+    """The sparse kernel reads an extra cache of the main cache's format, or V41_FP4 beside V41 / V41_PAGED
+    (validation allows no other), laid out as it needs (see ``check_sparse_supported``), its rows numbered after
+    the main cache's in 32 bits."""
+    if extra_format not in (kv_format, "V41_FP4"):
         raise NotImplementedError(f"extra_k_cache: the 'cute' sparse kernel reads an extra cache of k_cache's format "
-                                  f"({kv_format}), got {extra_format} (backend='reference' reads it)")
-    check_sparse_supported(extra_k_cache, kv_format, "extra_k_cache")
+                                  f"({kv_format}) or V41_FP4, got {extra_format} (backend='reference' reads it)")
+    check_cache_layout(extra_k_cache, extra_format, "extra_k_cache", "sparse kernel")
     rows = k_cache.shape[0] * k_cache.shape[1] + extra_k_cache.shape[0] * extra_k_cache.shape[1]
     if rows >= 2**31:
         raise NotImplementedError(f"k_cache and extra_k_cache: the 'cute' sparse kernel numbers both caches' tokens "
@@ -315,16 +316,16 @@ class SparsePlan:
             total = topk
             lengths = topk_length if given else torch.full((b,), topk, dtype=torch.int32, device=q.device)
         else:
-            extra_topk = extra[1].shape[-1]
+            extra_topk = extra[2].shape[-1]
             total = -(-topk // 64) * 64 + extra_topk
             self.full = (torch.full((b,), topk, dtype=torch.int32, device=q.device),
                          torch.full((b,), extra_topk, dtype=torch.int32, device=q.device))
-            main, more = self.lengths(topk_length, extra[2])
+            main, more = self.lengths(topk_length, extra[3])
             lengths = (main.clamp(0, topk) + 63) // 64 * 64 + more.clamp(0, extra_topk)
         call = self.config = resolve_sparse(
             schedule, b=b, s_q=s_q, h_q=h_q, topk=total, has_sink=has_sink, has_topk_length=given or extra is not None,
             device=device_facts(q.device), capturing=q.is_cuda and torch.cuda.is_current_stream_capturing(),
-            kv_format=kv_format, extra_cache=extra is not None)
+            kv_format=kv_format, extra_cache=extra[1] if extra is not None else "")
         _, self.step = compile_all([(compile_sparse, call.capture_step), (compile_sparse, call.step),
                                     (compile_scheduler, call.scheduler)])[:2]
         partials = q.dtype if call.step.split.partials_16bit else torch.float32
@@ -339,7 +340,7 @@ class SparsePlan:
 
 def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
                   schedule: SparseDecodeSchedule, kv_format: str = "V32", extra=None):
-    """``extra``: (extra_k_cache, extra_indices_in_kvcache, extra_topk_length), or None."""
+    """``extra``: (extra_k_cache, its format, extra_indices_in_kvcache, extra_topk_length), or None."""
     has_sink = attn_sink is not None
     plan = _reused_plan(meta, "sparse", first, schedule)
     if plan is None:
@@ -359,9 +360,9 @@ def launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink,
     out, lse = _outputs(plan, q.device)
     two = (None, None, None)
     if extra is not None:
-        extra_cache, extra_indices, extra_topk_length = extra
+        extra_cache, extra_format, extra_indices, extra_topk_length = extra
         topk_length, extra_topk_length = plan.lengths(topk_length, extra_topk_length)
-        two = (cache_words(extra_cache, plan.kv_format),
+        two = (cache_words(extra_cache, extra_format),
                extra_indices if extra_indices.stride(-1) == 1 else extra_indices.contiguous(),
                extra_topk_length.contiguous())
     plan.step(
@@ -407,8 +408,9 @@ def replay_sparse_plan(meta, q, k_cache, indices, topk_length, attn_sink, block_
 
 
 def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_topk_length: bool = False,
-                      kv_format: str = "V32", extra_cache: bool = False) -> None:
-    """Every step and scheduler a sparse call of this configuration can resolve to (``sparse_precompile_steps``)."""
+                      kv_format: str = "V32", extra_cache: str = "") -> None:
+    """Every step and scheduler a sparse call of this configuration can resolve to (``sparse_precompile_steps``);
+    ``extra_cache``: the extra cache's format ("": none)."""
     from ..kernels.build import compile_all, compile_scheduler, compile_sparse
 
     steps = sparse_precompile_steps(schedule, s_q=s_q, h_q=h_q, has_sink=has_sink, has_topk_length=has_topk_length,
