@@ -21,9 +21,9 @@ RoPE piece.
 
   V41_FP4      the extra cache beside a V41 or V41_PAGED main cache (a second codec of the kernel), 288 B: lane
                l's piece m is 16 e2m1 codes, the 8 bytes at 64 m + 8 l (slot m's first two words); the 32 e4m3
-               scales at 256 fill the scale and RoPE slots (piece m's is byte 8 m + l).  A code becomes its
-               fp16 value through a byte table (``prmt``: the 8 magnitudes' high bytes, their low bytes zero)
-               and its sign bit; times the scale, exact in fp16.  d_qk 512.
+               scales at 256 fill the scale and RoPE slots (piece m's is byte 8 m + l).  A code s e1 e0 m is
+               read as the e4m3 byte s 000 e1 e0 m 00, its value times 2^-6, converted by the e4m3 path and
+               multiplied by the scale times 2^6: exact in fp16.  d_qk 512.
 
 A ue8m0 byte e is the scale 2^(e - 127), made as the fp32 of bits e << 23 and rounded to fp16 like V32's
 fp32 scales: exact for the quantizers' scales, 2^-13 and up.  fp16 holds the dequantized values up to
@@ -193,10 +193,6 @@ def byte_perm(a: cutlass.Int32, b: cutlass.Int32, selector: cutlass.Int32, *, lo
         asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
-# The fp16 high bytes of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (their low bytes are zero), in prmt's order.
-E2M1_HIGH_BYTES = (0x3E3C3800, 0x46444240)
-
-
 class Fp4Rows(CacheRows):
     """V41_FP4, an extra cache's codec (the module docstring)."""
 
@@ -226,18 +222,24 @@ class Fp4Rows(CacheRows):
 
     @cute.jit
     def piece(self, raw, k, m, lane, dtype):
-        """The 16 codes (two words, 8 each, the first in the low nibble) as fp16 pairs: for each byte (codes 2 j,
-        2 j + 1), prmt picks [0, high byte of |c_2j|, 0, high byte of |c_2j+1|] and the sign bits follow."""
-        halves = cute.make_rmem_tensor((PIECE // 2,), cutlass.Int32)
+        """The 16 codes (two words, 8 each, the first in the low nibble) as e4m3 bytes of their values times
+        2^-6 (code s e1 e0 m to byte s 000 e1 e0 m 00: the same exponent and mantissa, 6 bias steps apart), put
+        in order by prmt and converted two at a time; times the scale times 2^6, exact in fp16."""
+        fp8 = cute.make_rmem_tensor((PIECE // 4,), cutlass.Int32)
         for w in cutlass.range_constexpr(2):
             codes = raw[w, m, k]
-            for j in cutlass.range_constexpr(4):
-                x = codes >> (8 * j)
-                selector = ((x & 0x7) << 4) | ((x & 0x70) << 8)
-                mag = byte_perm(E2M1_HIGH_BYTES[0], E2M1_HIGH_BYTES[1], selector)
-                halves[4 * w + j] = mag | ((x & 0x8) << 12) | ((x & 0x80) << 24)
-        vals = cute.recast_tensor(halves, cutlass.Float16).load()
-        return (vals * self.scale(raw, k, m, lane).to(cutlass.Float16)).to(dtype)
+            even = e2m1_as_e4m3(codes & 0x0F0F0F0F)  # bytes: codes 0, 2, 4, 6 of the word
+            odd = e2m1_as_e4m3((codes >> 4) & 0x0F0F0F0F)  # codes 1, 3, 5, 7
+            fp8[2 * w] = byte_perm(even, odd, 0x5140)
+            fp8[2 * w + 1] = byte_perm(even, odd, 0x7362)
+        vals = cute.recast_tensor(fp8, cutlass.Float8E4M3FN).load().to(dtype)
+        return vals * (self.scale(raw, k, m, lane) * cutlass.Float32(2.0 ** 6)).to(dtype)
+
+
+@cute.jit
+def e2m1_as_e4m3(nibbles):
+    """Four e2m1 codes, one in the low nibble of each byte, as the e4m3 bytes of their values times 2^-6."""
+    return ((nibbles & 0x08080808) << 4) | ((nibbles & 0x07070707) << 2)
 
 
 ROWS = {"V32": V32Rows, "V32_NO_ROPE": NoRopeRows, "V41": V41Rows, "V41_PAGED": V41PagedRows, "V4": V4Rows,
