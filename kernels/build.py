@@ -10,7 +10,7 @@ import pickle
 import subprocess
 import sys
 
-from ..jit import _report, cached_compile, disk_cache_enabled, is_warm
+from ..jit import _report, cached_compile, disk_cache_enabled, estimate, is_warm
 from ..schedules.configs import (CombineConfig, DenseStepConfig, SchedulerConfig, SparsePrefillConfig,
                                  SparseStepConfig, WriteCacheConfig)
 
@@ -60,7 +60,8 @@ def _build_in_processes(cold: list) -> None:
     again, so a caller's script needs no ``if __name__ == "__main__"`` guard, and no CUDA or DSL state is
     inherited.  A child that fails is reported with its output; its kernel is then built here (by the caller)."""
     workers = min(len(cold), compile_jobs())
-    _report(f"compiling {len(cold)} kernels at once, {workers} processes ...")
+    _report(f"compiling {len(cold)} kernels at once, {workers} processes"
+            f"{estimate([(_KINDS[name], config) for name, config in cold])} ...")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     command = [sys.executable, "-c", "from mla_cute.kernels.build import _build_child; _build_child()"]
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import secrets
@@ -277,9 +278,9 @@ def _sweep_stale_tmp(directory: Path) -> None:
                 tmp.unlink()
 
 
-def _store_to_disk(name: str, fn, describe: str = "") -> None:
+def _store_to_disk(name: str, fn, describe: str = "") -> bool:
     """Export ``fn`` as the entry ``name``: object, then sidecar, each published with ``os.replace``; then the
-    description of its configuration."""
+    description of its configuration.  Whether the entry was written."""
     directory = cache_dir()
     token = f"{os.getpid()}.{secrets.token_hex(4)}"
     tmp_obj, tmp_side = directory / f"{name}.{token}.tmp.o", directory / f"{name}.{token}.tmp.sum"
@@ -292,9 +293,11 @@ def _store_to_disk(name: str, fn, describe: str = "") -> None:
         os.replace(tmp_side, directory / f"{name}.sum")
         _store_shared(directory, name, token)
         (directory / f"{name}.txt").write_text(f"{describe}\n{_build_stamp()}\n")
+        return True
     except Exception as exc:  # the kernel is compiled and usable; only its persistence failed
         _warn_once(("store", str(directory)), "mla_cute: could not write the compile cache in %s (%s: %s)",
                    directory, type(exc).__name__, exc)
+        return False
     finally:
         for tmp in (tmp_obj, tmp_side):
             with contextlib.suppress(OSError):
@@ -361,16 +364,51 @@ def cached_compile(key: Hashable, build: Callable[[], Any], *, describe: str = "
         if fn is None:
             fn, source = (_load_from_disk(name) if use_disk else None), "disk"
         if fn is None:
-            _report(f"compiling {describe or key} ...")
+            _report(f"compiling {describe or key}{estimate([key])} ...")
             t0 = time.perf_counter()
             fn = build()
-            _report(f"compiled {describe or key} in {time.perf_counter() - t0:.1f} s")
+            seconds = time.perf_counter() - t0
+            _report(f"compiled {describe or key} in {seconds:.1f} s")
             source = "compiled"
             if use_disk:
-                _store_to_disk(name, fn, describe or repr(key))
+                if _store_to_disk(name, fn, describe or repr(key)):
+                    _record_compile_time(key, seconds)
         _cache[key] = fn
         _described[key] = f"{describe or key} ({source})"
     return fn
+
+
+_TIMES = "compile_times.json"  # in the disk cache: the last compile's seconds of each kernel kind, this machine
+
+
+def _kind(key: Hashable) -> str:
+    return str(key[0]) if isinstance(key, tuple) and key else "kernel"
+
+
+def estimate(keys) -> str:
+    """", ~N s" for compiling ``keys`` at once: the slowest of their kinds' last compiles on this machine (as the
+    disk cache records them), or "" when none is known."""
+    try:
+        times = json.loads((cache_dir() / _TIMES).read_text())
+        known = [float(times[_kind(k)]) for k in keys if _kind(k) in times]
+    except (OSError, ValueError, TypeError):
+        return ""
+    return f", ~{max(known):.0f} s" if known else ""
+
+
+def _record_compile_time(key: Hashable, seconds: float) -> None:
+    """Keep ``seconds`` as the last compile of ``key``'s kind (best effort: a file another process writes at the
+    same moment may keep its own numbers)."""
+    path = cache_dir() / _TIMES
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        try:
+            times = json.loads(path.read_text())
+        except FileNotFoundError:
+            times = {}
+        times[_kind(key)] = round(seconds, 1)
+        tmp = path.with_name(f"compile_times.{os.getpid()}.{secrets.token_hex(4)}.tmp.json")  # swept if left
+        tmp.write_text(json.dumps(times))
+        os.replace(tmp, path)
 
 
 def disk_cache_enabled() -> bool:

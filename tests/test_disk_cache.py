@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
@@ -358,3 +359,19 @@ def test_a_linked_library_loads_first_and_a_bad_one_falls_back_to_the_object(cac
     got, builds = compile_("a", FakeFn(b"C"))
     assert builds == 0 and got.data.startswith(b"A:ka:") and loads == [root / "ka.o"]
     assert any("loading ka from its object instead of" in w for w in warnings(caplog))
+
+
+def test_a_cold_compile_announces_the_last_time_of_its_kind(cache, caplog, monkeypatch):
+    """Each compile records its seconds by kernel kind in the disk cache; the next cold compile of that kind (or a
+    parallel batch, ``estimate``) announces about that long."""
+    root, _ = cache
+    assert jit.estimate([("dense_decode", 1)]) == ""
+    clock = iter([100.0, 112.4])
+    monkeypatch.setattr(jit.time, "perf_counter", lambda: next(clock))
+    compile_(("dense_decode", 1), FakeFn(b"A"))
+    assert json.loads((root / "compile_times.json").read_text()) == {"dense_decode": 12.4}
+    assert jit.estimate([("scheduler", 3), ("dense_decode", 2)]) == ", ~12 s"
+    assert jit.estimate([("scheduler", 3)]) == ""
+    monkeypatch.setattr(jit.time, "perf_counter", lambda: 0.0)
+    compile_(("dense_decode", 2), FakeFn(b"B"))
+    assert any("compiling test ('dense_decode', 2), ~12 s ..." in r.getMessage() for r in caplog.records)

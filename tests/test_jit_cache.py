@@ -4,6 +4,7 @@ compiling, and a damaged entry is rebuilt rather than loaded.  (Integrity detail
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -63,7 +64,9 @@ def test_second_process_loads_from_disk(tmp_path):
     (obj,) = tmp_path.glob("*.o")
     _assert_entry_good(obj)
     linked = [obj.stem + ".so", obj.stem + ".so.sum"] if jit._linker() else []
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([obj.name, obj.stem + ".sum", obj.stem + ".txt"] + linked)
+    entry = [obj.name, obj.stem + ".sum", obj.stem + ".txt"] + linked
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(entry + ["compile_times.json"])
+    assert "scheduler" in json.loads((tmp_path / "compile_times.json").read_text())  # the next one's estimate
     assert obj.with_suffix(".txt").read_text().startswith("scheduler SchedulerConfig(fixed_cost=3")
     assert "(compiled)'] disk: ['scheduler SchedulerConfig(fixed_cost=3" in log_cold
     before = _snapshot(tmp_path)
