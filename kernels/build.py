@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from ..jit import _report, cached_compile, disk_cache_enabled, estimate, is_warm
-from ..schedules.configs import (CombineConfig, DenseStepConfig, SchedulerConfig, SparsePrefillConfig,
+from ..schedules.configs import (CombineConfig, DenseStepConfig, MergeConfig, SchedulerConfig, SparsePrefillConfig,
                                  SparseStepConfig, WriteCacheConfig)
 
 # This module does not import the DSL: a warm kernel loads without it (``mla_cute.jit``); each build imports
@@ -20,7 +20,7 @@ from ..schedules.configs import (CombineConfig, DenseStepConfig, SchedulerConfig
 
 # The compile functions ``compile_all`` builds in parallel, by name, and their cache keys' first field.
 _KINDS = {"compile_dense": "dense_decode", "compile_scheduler": "scheduler", "compile_sparse": "sparse_decode_fp8",
-          "compile_sparse_prefill": "sparse_prefill", "compile_write_cache": "write_cache"}
+          "compile_sparse_prefill": "sparse_prefill", "compile_write_cache": "write_cache", "compile_merge": "merge"}
 
 
 def compile_all(tasks) -> list:
@@ -208,6 +208,19 @@ def compile_write_cache(config: WriteCacheConfig, options: str = ""):
         return sig.compile_kernel(WriteCacheKernel(config), sig.write_cache_signature(config), options)
 
     return cached_compile((_KINDS["compile_write_cache"], config, options), build, describe=f"cache writer {config}",
+                          persistent=not options)
+
+
+def compile_merge(config: MergeConfig, options: str = ""):
+    """The compiled merge of partial attention results (``kernels/merge.py``)."""
+
+    def build():
+        from . import signatures as sig
+        from .merge import MergeKernel
+
+        return sig.compile_kernel(MergeKernel(config), sig.merge_signature(config), options)
+
+    return cached_compile((_KINDS["compile_merge"], config, options), build, describe=f"merge {config}",
                           persistent=not options)
 
 

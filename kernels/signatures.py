@@ -11,7 +11,7 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor  # noqa: E402
 
-from ..schedules.configs import CombineConfig, SparsePrefillConfig, WriteCacheConfig  # noqa: E402
+from ..schedules.configs import CombineConfig, MergeConfig, SparsePrefillConfig, WriteCacheConfig  # noqa: E402
 from .constants import D_QK, D_V, DTYPES  # noqa: E402
 
 
@@ -147,3 +147,17 @@ def write_cache_signature(config: WriteCacheConfig):
     slots = make_fake_compact_tensor(slot_type, (_sym(),), assumed_align=slot_type.width // 8)
     pages = make_fake_tensor(cutlass.Int32, (_sym(), _sym()), (_sym(4, 64), 1), assumed_align=16)
     return rows, slots, pages, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def merge_signature(config: MergeConfig):
+    """Fake tensors matching ``MergeKernel.__call__``: packed outs and lses, the merged out and lse."""
+    from .write_cache import ROW_TYPES
+
+    dtype = ROW_TYPES[config.dtype]
+    r, b, s_q, h_q = _sym(), _sym(), _sym(), _sym()
+    outs = make_fake_compact_tensor(dtype, (r, b, s_q, h_q, config.d_v), stride_order=(4, 3, 2, 1, 0), assumed_align=16)
+    lses = make_fake_compact_tensor(cutlass.Float32, (r, b, h_q, s_q), stride_order=(3, 2, 1, 0), assumed_align=4)
+    sink = make_fake_compact_tensor(cutlass.Float32, (h_q,), assumed_align=4) if config.has_sink else None
+    out = make_fake_compact_tensor(dtype, (b, s_q, h_q, config.d_v), stride_order=(3, 2, 1, 0), assumed_align=16)
+    lse = make_fake_compact_tensor(cutlass.Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=4)
+    return outs, lses, sink, out, lse, make_fake_stream(use_tvm_ffi_env_stream=True)

@@ -1,8 +1,8 @@
 """Decode across ranks (context parallelism): each rank holds part of every request's cache, runs the decode on
 its part, and the ranks merge their outputs by log-sum-exp.
 
-``merge_partial_attention(outs, lses)`` is the merge of R partial results, as the split-KV combine merges a
-request's splits: ``lse = log sum_r exp(lse_r)``, ``out = sum_r exp(lse_r - lse) out_r`` in fp32, a part with
+``merge_partial_attention(outs, lses)`` is the merge of R partial results (one kernel launch on Hopper,
+``kernels/merge.py``), as the split-KV combine merges a request's splits: ``lse = log sum_r exp(lse_r)``, ``out = sum_r exp(lse_r - lse) out_r`` in fp32, a part with
 lse +inf (nothing attended) contributing nothing, a row with no part out 0 and lse +inf; an attention sink, given
 once here, scales the merged rows by ``1 / (1 + exp(sink - lse))`` (lse unchanged), as a whole decode call
 applies it.
@@ -20,14 +20,19 @@ from typing import Optional
 import torch
 
 
-def merge_partial_attention(outs: torch.Tensor, lses: torch.Tensor, attn_sink: Optional[torch.Tensor] = None):
+def merge_partial_attention(outs: torch.Tensor, lses: torch.Tensor, attn_sink: Optional[torch.Tensor] = None,
+                            backend: Optional[str] = None):
     """Merge R partial attention results: ``outs`` ``[R, b, s_q, h_q, d_v]`` (any float dtype), ``lses`` ``[R, b, h_q,
     s_q]`` float32, natural log, +inf where a part attended to nothing; ``attn_sink`` ``[h_q]`` float32 or None.
-    Returns out ``[b, s_q, h_q, d_v]`` (outs' dtype) and lse ``[b, h_q, s_q]`` float32."""
+    Returns out ``[b, s_q, h_q, d_v]`` (outs' dtype) and lse ``[b, h_q, s_q]`` float32.  On the ``cute`` backend (CUDA
+    tensors on Hopper; ``backend`` as the decode calls take it) one kernel launch (``kernels/merge.py``: bf16, fp16
+    or fp32 outs, d_v a multiple of 256), else torch operations."""
     if not isinstance(outs, torch.Tensor) or outs.dim() != 5 or not outs.dtype.is_floating_point:
         raise ValueError(f"outs must be a float tensor [R, b, s_q, h_q, d_v], got "
                          f"{tuple(outs.shape) if isinstance(outs, torch.Tensor) else type(outs).__name__}")
     r, b, s_q, h_q, _ = outs.shape
+    if r == 0:
+        raise ValueError("outs must hold at least one part (R >= 1)")
     if not isinstance(lses, torch.Tensor) or tuple(lses.shape) != (r, b, h_q, s_q) or lses.dtype != torch.float32:
         raise ValueError(f"lses must be a float32 tensor [R, b, h_q, s_q] = {[r, b, h_q, s_q]} (outs'), got "
                          f"{(tuple(lses.shape), lses.dtype) if isinstance(lses, torch.Tensor) else type(lses).__name__}")
@@ -36,6 +41,10 @@ def merge_partial_attention(outs: torch.Tensor, lses: torch.Tensor, attn_sink: O
     if attn_sink is not None and (not isinstance(attn_sink, torch.Tensor) or tuple(attn_sink.shape) != (h_q,)
                                   or attn_sink.dtype != torch.float32 or attn_sink.device != outs.device):
         raise ValueError(f"attn_sink must be a float32 tensor [{h_q}] on outs' device, or None")
+    from .backend import select_backend
+
+    if select_backend(outs.device, backend) == "cute":
+        return _merge_on_hopper(outs, lses, attn_sink)
     parts = torch.where(torch.isposinf(lses), -math.inf, lses)  # an empty part weighs nothing
     top = parts.amax(dim=0)
     empty = torch.isneginf(top)
@@ -50,6 +59,26 @@ def merge_partial_attention(outs: torch.Tensor, lses: torch.Tensor, attn_sink: O
         keep = torch.sigmoid(torch.where(empty, 0.0, lse) - attn_sink.view(1, h_q, 1))  # [b, h_q, s_q]
         out = out * keep.permute(0, 2, 1).unsqueeze(-1)
     return out.to(outs.dtype), lse
+
+
+def _merge_on_hopper(outs, lses, attn_sink):
+    from .kernels.build import compile_merge
+    from .schedules.configs import MergeConfig
+
+    if outs.dtype not in (torch.bfloat16, torch.float16, torch.float32) or outs.shape[-1] % 256:
+        raise NotImplementedError(f"outs: the 'cute' merge takes bf16, fp16 or fp32 outs with d_v a multiple of 256, "
+                                  f"got {outs.dtype} with d_v {outs.shape[-1]} (backend='reference' merges any)")
+    r, b, s_q, h_q, d_v = outs.shape
+    out = torch.empty((b, s_q, h_q, d_v), dtype=outs.dtype, device=outs.device)
+    lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=outs.device)
+    if out.numel() == 0:
+        lse.fill_(math.inf)
+        return out, lse
+    packed = outs if outs.is_contiguous() and outs.data_ptr() % 16 == 0 else outs.clone(
+        memory_format=torch.contiguous_format)
+    kernel = compile_merge(MergeConfig(str(outs.dtype).replace("torch.", ""), d_v, attn_sink is not None))
+    kernel(packed, lses.contiguous(), attn_sink.contiguous() if attn_sink is not None else None, out, lse)
+    return out, lse
 
 
 def context_parallel_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, *,
@@ -81,7 +110,7 @@ def context_parallel_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, 
     else:
         dist.all_gather(list(outs.unbind(0)), out.contiguous(), group=group)
         dist.all_gather(list(lses.unbind(0)), lse.contiguous(), group=group)
-    return merge_partial_attention(outs, lses, attn_sink)
+    return merge_partial_attention(outs, lses, attn_sink, kwargs.get("backend"))
 
 
 def shard_pages(block_table: torch.Tensor, cache_seqlens: torch.Tensor, page_block_size: int, world_size: int,

@@ -156,3 +156,13 @@ class WriteCacheConfig:
     kv_format: str
     dtype: str
     slot_dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeConfig:
+    """The merge of partial attention results (``kernels/merge.py``): outs of ``dtype`` ("bfloat16", "float16",
+    "float32") and head dimension ``d_v`` (a multiple of 256), with an attention sink or without."""
+
+    dtype: str
+    d_v: int
+    has_sink: bool

@@ -578,3 +578,17 @@ def test_cache_writer_compiles_clean(fmt, dtype, slot_dtype, capfd):
     assert "ld.local" not in ptx and "st.local" not in ptx
     spills, _ = _ptxas_report(capfd.readouterr().err)
     assert spills and all(sp == (0, 0, 0) for sp in spills), spills
+
+
+@pytest.mark.parametrize("dtype,has_sink", [("bfloat16", True), ("float32", False)])
+def test_merge_kernel_compiles_clean(dtype, has_sink, capfd):
+    """The merge of partial results: 16-byte loads of each part's row piece and 16-byte stores of the merged one,
+    no local memory, no spills."""
+    from mla_cute.kernels.build import compile_merge
+    from mla_cute.schedules.configs import MergeConfig
+
+    ptx = compile_merge(MergeConfig(dtype, 512, has_sink), options=OPTIONS).__ptx__
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    spills, _ = _ptxas_report(capfd.readouterr().err)
+    assert spills and all(sp == (0, 0, 0) for sp in spills), spills

@@ -86,6 +86,10 @@ def test_merge_names_its_bad_arguments():
         merge_partial_attention(outs, lses.double())
     with pytest.raises(ValueError, match="attn_sink must be"):
         merge_partial_attention(outs, lses, torch.zeros(3))
+    with pytest.raises(ValueError, match="at least one part"):
+        merge_partial_attention(outs[:0], lses[:0])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        merge_partial_attention(outs, lses, backend="triton")
     with pytest.raises(ValueError, match="rank must be"):
         shard_pages(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 64, 2, 2)
 
@@ -132,14 +136,29 @@ def test_context_parallel_decode_refuses_causal_multi_token_queries(monkeypatch)
 
 
 @pytest.mark.gpu
-def test_merge_on_the_gpu_matches_the_cpu():
-    outs = torch.randn(3, 4, 2, 64, 512).bfloat16()
-    lses = torch.randn(3, 4, 64, 2) * 3
+@pytest.mark.parametrize("dtype,parts,sink", [(torch.bfloat16, 3, True), (torch.float16, 1, False),
+                                              (torch.float32, 8, True)])
+def test_merge_kernel_matches_the_cpu(dtype, parts, sink):
+    """The merge kernel (the cute backend) against the torch merge on the CPU: empty parts, a row no part attended
+    (out 0, lse +inf), sinks of +-inf among finite ones, a strided outs."""
+    g = torch.Generator().manual_seed(parts)
+    outs = torch.randn(parts, 4, 2, 64, 512, generator=g).to(dtype)
+    lses = torch.randn(parts, 4, 64, 2, generator=g) * 3
     lses[0, 1] = math.inf
-    sink = torch.randn(64)
-    out, lse = merge_partial_attention(outs, lses, sink)
-    g_out, g_lse = merge_partial_attention(outs.cuda(), lses.cuda(), sink.cuda())
-    assert torch.allclose(g_lse.cpu(), lse, atol=1e-5) and torch.allclose(g_out.cpu().float(), out.float(), atol=1e-2)
+    lses[:, 2, 5, 1] = math.inf  # nothing attended anywhere
+    attn_sink = torch.randn(64, generator=g) if sink else None
+    if sink:
+        attn_sink[0], attn_sink[1] = math.inf, -math.inf
+    out, lse = merge_partial_attention(outs, lses, attn_sink)
+    wide = torch.full((parts, 4, 2, 64, 520), float("nan"), dtype=dtype).cuda()
+    wide[..., :512] = outs.cuda()
+    g_out, g_lse = merge_partial_attention(wide[..., :512], lses.cuda(), attn_sink.cuda() if sink else None)
+    assert g_out.dtype == dtype and torch.isposinf(g_lse[2, 5, 1]) and torch.all(g_out[2, 1, 5] == 0)
+    assert torch.allclose(g_lse.cpu(), lse, atol=1e-5, rtol=1e-6)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3 if dtype == torch.float16 else 1e-5
+    assert torch.allclose(g_out.cpu().float(), out.float(), atol=tol, rtol=tol)
+    with pytest.raises(NotImplementedError, match="outs: the 'cute' merge"):
+        merge_partial_attention(outs[..., :100].cuda(), lses.cuda())
 
 
 def test_example_runs():
