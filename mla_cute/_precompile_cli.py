@@ -38,8 +38,8 @@ def _sparse(kv_format: str, extra_cache=False) -> list:
 
 
 # The named sets: DeepSeek V3 (dense decode over the bf16/fp16 cache), V3.2 (sparse decode over the 656-byte
-# cache, with and without topk_length) and V4 (its 584-byte cache with the sliding-window extra cache); the
-# sparse sets with their format's cache writer.
+# cache, with and without topk_length), V4 (its 584-byte cache with the sliding-window extra cache) and V4.1 (its
+# 528-byte cache with the FP4 extra cache); the sparse sets with their formats' cache writers.
 def _writers(kv_format: str) -> list:
     """The cache writer of the format for bf16 rows, with int32 and int64 slots."""
     return [dict(write_cache=True, kv_format=kv_format, dtype=torch.bfloat16, slot_dtype=slots)
@@ -50,6 +50,7 @@ SETS = {
     "deepseek-v3-dense": _dense(),
     "deepseek-v32-sparse": _sparse("V32") + _writers("V32"),
     "deepseek-v4-sparse": _sparse("V4", extra_cache=True) + _writers("V4"),
+    "deepseek-v41-sparse": _sparse("V41", extra_cache="V41_FP4") + _writers("V41") + _writers("V41_FP4"),
 }
 
 

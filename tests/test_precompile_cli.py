@@ -26,13 +26,18 @@ def test_named_sets_are_valid_configurations(monkeypatch):
     monkeypatch.setattr(cute, "precompile_dense", lambda *a: seen.append(("dense", a)))
     monkeypatch.setattr(cute, "precompile_sparse", lambda *a: seen.append(("sparse", a)))
     monkeypatch.setattr(cute, "precompile_writer", lambda *a: seen.append(("writer", a)))
+    by_set = {}
     for name, configs in cli.SETS.items():
         seen.clear()
         assert mla_cute.precompile(configs) == len(configs) == len(seen)
-    sparse = [a for kind, a in seen if kind == "sparse"]
-    assert {a[5] for a in sparse} == {"V4"} and all(a[6] for a in sparse)  # V4 with its extra cache
-    assert [a for kind, a in seen if kind == "writer"] == [("V4", torch.bfloat16, torch.int32),
-                                                           ("V4", torch.bfloat16, torch.int64)]
+        by_set[name] = list(seen)
+    for name, fmt, extra in [("deepseek-v4-sparse", "V4", "V4"), ("deepseek-v41-sparse", "V41", "V41_FP4")]:
+        sparse = [a for kind, a in by_set[name] if kind == "sparse"]
+        assert {(a[5], a[6]) for a in sparse} == {(fmt, extra)}  # with its extra cache
+    writers = [a[0] for kind, a in by_set["deepseek-v41-sparse"] if kind == "writer"]
+    assert writers == ["V41", "V41", "V41_FP4", "V41_FP4"]
+    assert [a for kind, a in by_set["deepseek-v4-sparse"] if kind == "writer"] == [
+        ("V4", torch.bfloat16, torch.int32), ("V4", torch.bfloat16, torch.int64)]
     assert len(cli.SETS["deepseek-v32-sparse"]) == 32 + 2 and len(cli.SETS["deepseek-v3-dense"]) == 32
 
 
