@@ -56,33 +56,41 @@ def compile_jobs() -> int:
 
 def _build_in_processes(cold: list) -> None:
     """Build ``cold`` ((function name, config) pairs) into the disk cache, each in a fresh interpreter of its own
-    (``python -c``, given the pair on stdin and this process's ``sys.path``): nothing of this process runs there
+    (``python -c``, given the pair and this process's ``sys.path`` on stdin): nothing of this process runs there
     again, so a caller's script needs no ``if __name__ == "__main__"`` guard, and no CUDA or DSL state is
-    inherited.  A child that fails is reported with its output; its kernel is then built here (by the caller)."""
+    inherited.  A child that fails (or cannot start) is reported with its output; its kernel is then built here
+    (by the caller)."""
     workers = min(len(cold), compile_jobs())
     _report(f"compiling {len(cold)} kernels at once, {workers} processes"
             f"{estimate([(_KINDS[name], config) for name, config in cold])} ...")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    command = [sys.executable, "-c", "from mla_cute.kernels.build import _build_child; _build_child()"]
+    # The child sets its sys.path to this process's before importing anything of ours (``python -c`` would put
+    # the working directory first, where another checkout may lie).
+    # The task is pickled inside: unpickling its config imports our modules.
+    command = [sys.executable, "-c", "import pickle, sys; path, task = pickle.loads(sys.stdin.buffer.read()); "
+               "sys.path[:] = path; from mla_cute.kernels.build import _build_child; _build_child(pickle.loads(task))"]
+    path = list(sys.path)
 
     def build(task):
-        done = subprocess.run(command, input=pickle.dumps(task), env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
-        return task, done
+        try:
+            done = subprocess.run(command, input=pickle.dumps((path, pickle.dumps(task))), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT)
+            return task, done.returncode, done.stdout.decode(errors="replace")
+        except OSError as exc:  # no interpreter to start (an embedded one): built here instead
+            return task, None, f"{type(exc).__name__}: {exc}"
 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        for (name, config), done in pool.map(build, cold):
-            text = done.stdout.decode(errors="replace")
-            if done.returncode == 0:
+        for (name, config), code, text in pool.map(build, cold):
+            if code == 0:
                 sys.stderr.write(text)
             else:
-                _report(f"the process building {name}({config}) failed (exit {done.returncode}), building it here; "
-                        f"its output:\n{text[-4000:]}")
+                how = f"exit {code}" if code is not None else "not started"
+                _report(f"the process building {name}({config}) failed ({how}), building it here; its output:\n"
+                        f"{text[-4000:]}")
 
 
-def _build_child() -> None:
-    """In a child process: build the (function name, config) pickled on stdin into the disk cache."""
-    name, config = pickle.loads(sys.stdin.buffer.read())
+def _build_child(task) -> None:
+    """In a child process: build ``task`` (function name, config) into the disk cache."""
+    name, config = task
     globals()[name](config)
 
 

@@ -22,7 +22,7 @@ RoPE piece.
   V41_FP4      the extra cache beside a V41 or V41_PAGED main cache (a second codec of the kernel), 288 B: lane
                l's piece m is 16 e2m1 codes, the 8 bytes at 64 m + 8 l (slot m's first two words); the 32 e4m3
                scales at 256 fill the scale and RoPE slots (piece m's is byte 8 m + l).  A code s e1 e0 m is
-               read as the e4m3 byte s 000 e1 e0 m 00, its value times 2^-6, converted by the e4m3 path and
+               read as the e4m3 byte s 0 0 e1 e0 m 0 0, its value times 2^-6, converted by the e4m3 path and
                multiplied by the scale times 2^6: exact in fp16.  d_qk 512.
 
 A ue8m0 byte e is the scale 2^(e - 127), made as the fp32 of bits e << 23 and rounded to fp16 like V32's
@@ -218,12 +218,14 @@ class Fp4Rows(CacheRows):
         value = cute.recast_tensor(bits, cutlass.Float32)[0] * cutlass.Float32(2.0 ** 120)
         if byte < 8:  # subnormal: m 2^-9
             value = cutlass.Float32(byte) * cutlass.Float32(2.0 ** -9)
+        if byte == 0x7F:  # a tile that held NaN or inf: NaN, as the reference reads it
+            value = cutlass.Float32.nan
         return value
 
     @cute.jit
     def piece(self, raw, k, m, lane, dtype):
         """The 16 codes (two words, 8 each, the first in the low nibble) as e4m3 bytes of their values times
-        2^-6 (code s e1 e0 m to byte s 000 e1 e0 m 00: the same exponent and mantissa, 6 bias steps apart), put
+        2^-6 (code s e1 e0 m to byte s 0 0 e1 e0 m 0 0: the same exponent and mantissa, 6 bias steps apart), put
         in order by prmt and converted two at a time; times the scale times 2^6, exact in fp16."""
         fp8 = cute.make_rmem_tensor((PIECE // 4,), cutlass.Int32)
         for w in cutlass.range_constexpr(2):

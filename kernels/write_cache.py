@@ -7,7 +7,7 @@ consecutive lanes: its largest magnitude is a butterfly max over them of the val
 integers (NaN above inf above every finite value, so a tile's NaN or inf is seen there).
 
   V32          tiles 128 (8 lanes), fp32 scales; lane l's 16 e4m3 bytes at 16 l, tile t's scale at 512 + 4 t
-               (lane 8 t writes it), the RoPE pair as bf16 at 528 + 4 l.
+               (lane 8 t writes it), the RoPE pair as bf16 at 528 + 4 l (RoPE NaN: 0x7FFF, as the quantizers).
   V32_NO_ROPE  as V32 without RoPE (528-byte rows).
   V41          tiles 32 (2 lanes), ue8m0 scales: the 16 scale bytes at 512, word w by lane 8 w.
   V41_PAGED    V41's bytes: data row t at 512 t of the page, scale row t at 512 page + 16 t.
@@ -66,6 +66,22 @@ def e4m3_pair(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) ->
         T.i32(), [cutlass.Float32(lo).ir_value(loc=loc, ip=ip), cutlass.Float32(hi).ir_value(loc=loc, ip=ip)],
         "{ .reg .b16 p; cvt.rn.satfinite.e4m3x2.f32 p, $2, $1; cvt.u32.u16 $0, p; }", "=r,f,f",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def bf16_pair(lo: cutlass.Float32, hi: cutlass.Float32) -> cutlass.Int32:
+    """Two values as bf16 (round to nearest even; ``lo`` the low half), a NaN as 0x7FFF."""
+    pair = cute.make_rmem_tensor((2,), cutlass.Float32)
+    pair[0] = lo
+    pair[1] = hi
+    halves = cute.make_rmem_tensor((2,), cutlass.BFloat16)
+    halves.store(pair.load().to(cutlass.BFloat16))
+    word = cute.recast_tensor(halves, cutlass.Int32)[0]
+    if lo != lo:
+        word = (word & -65536) | 0x7FFF
+    if hi != hi:
+        word = (word & 0xFFFF) | 0x7FFF0000
+    return word
 
 
 @cute.jit
@@ -171,9 +187,9 @@ class WriteCacheKernel:
         if cutlass.const_expr(self.kv_format == "V32"):
             rope = cute.make_rmem_tensor((2,), self.dtype)
             cute.autovec_copy(cute.local_tile(mRows[row, None], (2,), (256 + lane,)), rope)
-            pair = cute.make_rmem_tensor((2,), cutlass.BFloat16)
-            pair.store(rope.load().to(cutlass.Float32).to(cutlass.BFloat16))
-            data[132 + lane] = cute.recast_tensor(pair, cutlass.Int32)[0]
+            values = cute.make_rmem_tensor((2,), cutlass.Float32)
+            values.store(rope.load().to(cutlass.Float32))
+            data[132 + lane] = bf16_pair(values[0], values[1])
 
     @cute.jit
     def canonical(self, v):
@@ -187,11 +203,11 @@ class WriteCacheKernel:
     def write_rope(self, vals, data, lane):
         """V4: lanes 28-31's values as bf16 at data row byte 448 + 32 (l - 28)."""
         if lane >= 28:
-            rope = cute.make_rmem_tensor((LANE_VALUES,), cutlass.BFloat16)
-            rope.store(vals.load().to(cutlass.BFloat16))
+            rope = cute.make_rmem_tensor((LANE_VALUES // 2,), cutlass.Int32)
+            for w in cutlass.range_constexpr(LANE_VALUES // 2):
+                rope[w] = bf16_pair(vals[2 * w], vals[2 * w + 1])
             # 8 words a lane: data row word 112 + 8 (l - 28) = 8 (l - 14).
-            cute.autovec_copy(cute.recast_tensor(rope, cutlass.Int32),
-                              cute.local_tile(data, (LANE_VALUES // 2,), (lane - 14,)))
+            cute.autovec_copy(rope, cute.local_tile(data, (LANE_VALUES // 2,), (lane - 14,)))
 
     @cute.jit
     def write_scale_bytes(self, byte, scales, lane, lanes, at):

@@ -15,7 +15,7 @@ from .backend import ENV_VAR, select_backend
 from .backends import cute, reference
 from .device import device_facts
 from .fp8 import D_QK, dequantize_kv_cache
-from .kv_formats import format_of
+from .kv_formats import HEAD_DIM, format_of
 from .schedules import (
     DEFAULT_DENSE_SCHEDULE,
     DEFAULT_SPARSE_SCHEDULE,
@@ -562,10 +562,14 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
             extra = cfg.get("extra_cache", False)
             if extra is True:
                 extra = fmt
-            elif extra is False:
+            elif extra in (False, None, ""):
                 extra = ""
-            else:
-                extra = format_of(None, extra, "extra_cache")
+            elif extra not in HEAD_DIM:
+                raise ValueError(f"precompile config {i}: extra_cache must be True, False or a format name "
+                                 f"({sorted(HEAD_DIM)}), got {extra!r}")
+            if extra not in ("", fmt) and not (extra == "V41_FP4" and fmt in ("V41", "V41_PAGED")):
+                raise ValueError(f"precompile config {i}: extra_cache: the kernel reads an extra cache of the main "
+                                 f"cache's format ({fmt}) or V41_FP4 beside V41 / V41_PAGED, got {extra!r}")
             cute.precompile_sparse(cfg["s_q"], cfg["h_q"], bool(cfg.get("attn_sink", False)), sched,
                                    bool(cfg.get("topk_length", False)), fmt, extra)
             count += 1

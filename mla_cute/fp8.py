@@ -14,7 +14,7 @@ The scale rule is FlashMLA's, made exact: a tile's scale is 2^e, e the least int
 with amax <= 448 * 2^e (FlashMLA's ``2^ceil(log2(max(amax / 448, 1e-4)))`` without the
 rounding of the division and the logarithm, which differs between CPU and GPU and from the
 exact rule for a tile whose amax / 448 lies within a few ulps above a power of two).  A NaN
-value's byte is 0x7F; a tile holding NaN has scale NaN (fp32 0x7FC00000), one holding inf
+value's byte is 0x7F (a NaN RoPE value's bf16 0x7FFF); a tile holding NaN has scale NaN (fp32 0x7FC00000), one holding inf
 (no NaN) scale inf: its finite values become +-0, its infinities NaN.
 """
 
@@ -63,6 +63,14 @@ def fp32_scales(e: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(e), 0x7FC00000, bits).contiguous().view(torch.uint8).reshape(*e.shape[:-1], -1)
 
 
+def bf16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as bf16 bytes [..., 2 a value], round to nearest even, a NaN as 0x7FFF (whatever its sign and
+    payload, and whatever the device: torch's conversions keep or drop them differently)."""
+    bits = x.to(torch.bfloat16).contiguous().view(torch.int16)
+    return torch.where(torch.isnan(x), 0x7FFF, bits).to(torch.int16).contiguous().view(torch.uint8).reshape(
+        *x.shape[:-1], -1)
+
+
 def quantize_kv_cache(k_cache: torch.Tensor) -> torch.Tensor:
     """Quantize a 16-bit cache ``[num_blocks, page, 1, 576]`` into the 656-byte FP8 layout.
 
@@ -78,7 +86,7 @@ def quantize_kv_cache(k_cache: torch.Tensor) -> torch.Tensor:
     q, e = e4m3_tiles(latent)
     out[..., :D_LATENT] = q.reshape(nb, page, D_LATENT)
     out[..., D_LATENT : D_LATENT + NUM_TILES * 4] = fp32_scales(e)
-    out[..., D_LATENT + NUM_TILES * 4 :] = x[..., D_LATENT:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    out[..., D_LATENT + NUM_TILES * 4 :] = bf16_bytes(x[..., D_LATENT:])
     return out.view(torch.float8_e4m3fn).reshape(nb, page, 1, FP8_BYTES_PER_TOKEN)
 
 

@@ -11,7 +11,8 @@ edit of a kernel or schedule source invalidates it.  ``MLA_CUTE_DISK_CACHE=0`` d
 An entry is ``<name>.o`` plus a sidecar ``<name>.sum`` holding the object's size and sha256, and
 ``<name>.txt``, the configuration it was compiled for (what ``cache_info`` reports).  Where a C compiler
 is found (``$CC``, else ``cc``), the object is also linked into ``<name>.so`` (sidecar ``<name>.so.sum``:
-size, sha256 and the DSL runtime's path in its package), which a load opens through TVM-FFI without
+size, sha256, the DSL runtime's path in its package and the object's sha256, so a library left from an older
+object is not loaded), which a load opens through TVM-FFI without
 importing the DSL (seconds of a fresh process's first call); without one, or when the library does not
 load, the object is linked in memory by the DSL.  Files are written to temporary files and published with ``os.replace``, the sidecar last, and
 the object is checked against the sidecar before it is loaded: an entry whose object or sidecar
@@ -118,10 +119,22 @@ def _runtime_versions() -> tuple:
 
 
 def _dsl_version() -> str:
-    """The installed DSL's version, read without importing it (its import costs seconds on a cold start)."""
+    """The installed DSL's version, read without importing it where its packages say it (its import costs seconds
+    on a cold start): the DSL's and its base libraries' versions, else the imported module's."""
     from importlib import metadata
 
-    return metadata.version("nvidia-cutlass-dsl")
+    versions = []
+    for package in ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base"):
+        try:
+            versions.append(metadata.version(package))
+        except metadata.PackageNotFoundError:
+            pass
+    if not versions:
+        prepare_dsl()
+        import cutlass
+
+        versions.append(cutlass.__version__)
+    return "/".join(versions)
 
 
 def _disk_name(key: Hashable) -> str:
@@ -167,11 +180,15 @@ def _dsl_runtime() -> str:
     return path
 
 
-def _linker() -> str | None:
-    """The C compiler that links exported objects into shared libraries (``$CC``, else ``cc``), or None."""
+def _linker() -> list | None:
+    """The command of the C compiler that links exported objects into shared libraries (``$CC``, which may carry
+    arguments, else ``cc``), or None where it is not found."""
+    import shlex
     import shutil
 
-    return shutil.which(os.environ.get("CC") or "cc")
+    command = shlex.split(os.environ.get("CC") or "cc")
+    found = shutil.which(command[0]) if command else None
+    return [found] + command[1:] if found else None
 
 
 def _link_shared(obj: Path, out: Path) -> str | None:
@@ -186,8 +203,10 @@ def _link_shared(obj: Path, out: Path) -> str | None:
     if cc is None:
         return None
     runtime = Path(_dsl_runtime()).resolve()
-    subprocess.run([cc, "-shared", "-o", str(out), str(obj), str(runtime), tvm_ffi.libinfo.find_libtvm_ffi()],
-                   check=True, capture_output=True, timeout=120)
+    done = subprocess.run(cc + ["-shared", "-o", str(out), str(obj), str(runtime), tvm_ffi.libinfo.find_libtvm_ffi()],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cc)} exited {done.returncode}: {done.stderr.strip()[-1000:]}")
     return runtime.relative_to(_dsl_root().resolve()).as_posix()
 
 
@@ -262,12 +281,16 @@ def _load_linked(directory: Path, name: str):
     if not lib.exists() and not side.exists():
         return None
     problem = _entry_problem(lib, side)
+    fields = _sidecar_fields(side) if problem is None else []
+    if problem is None and (len(fields) < 2 or fields[1] != (directory / f"{name}.sum").read_text().split()[1]):
+        problem = "it was linked from another object (a rebuilt entry whose link failed)"
     if problem is None:
         try:
-            return _load_shared(lib, name, *_sidecar_fields(side)[:1])
+            return _load_shared(lib, name, fields[0])
         except Exception as exc:  # e.g. the runtime it was linked against is not installed here
             problem = f"it does not load ({exc})"
-    _warn_once(("library", str(lib)), "mla_cute: loading %s from its object instead of %s: %s", name, lib, problem)
+    _warn_once(("library", str(directory)), "mla_cute: loading %s from its object instead of %s: %s (reported "
+               "once for this directory)", name, lib, problem)
     return None
 
 
@@ -312,7 +335,8 @@ def _store_shared(directory: Path, name: str, token: str) -> None:
         runtime = _link_shared(directory / f"{name}.o", tmp_lib)
         if runtime is None:
             return
-        tmp_side.write_text(_sidecar_text(tmp_lib.read_bytes()).rstrip("\n") + f" {runtime}\n")
+        obj_digest = (directory / f"{name}.sum").read_text().split()[1]
+        tmp_side.write_text(_sidecar_text(tmp_lib.read_bytes()).rstrip("\n") + f" {runtime} {obj_digest}\n")
         os.replace(tmp_lib, directory / f"{name}.so")
         os.replace(tmp_side, directory / f"{name}.so.sum")
     except Exception as exc:

@@ -18,7 +18,7 @@ FlashMLA's quantizers.  Each quantizes a 16-bit cache ``[num_blocks, page, 1, d_
 A page-blocked token's data row and scale row, put side by side, are its bytes in a token-major cache of the
 same format (V4: 576 + 8, V41_PAGED: V41's 512 + 16); the functions below work on those and place them.
 
-Scales of the e4m3 formats are powers of two, amax / 448 rounded up to one, at least 2^-13, per tile (the exact
+Scales of the e4m3 formats are powers of two, amax / 448 rounded up to a power of two, at least 2^-13, per tile (the exact
 rule of ``fp8.py``, NaN and inf tiles as there); a ue8m0 byte is the exponent plus 127 (0xFF for a tile holding
 NaN or inf).  The fp4 scale is the e4m3 of ``clamp(amax / 6, 2^-9, 448)``, the division exact before the rounding
 (0x7F for a tile holding NaN or inf, amax counting NaN as inf), the values ``x / scale`` (IEEE fp32 division)
@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from .fp8 import FP8_BYTES_PER_TOKEN, _check_cache, e4m3_tiles, fp32_scales
+from .fp8 import FP8_BYTES_PER_TOKEN, _check_cache, bf16_bytes, e4m3_tiles, fp32_scales
 from .fp8 import dequantize_kv_cache as _dequantize_v32, quantize_kv_cache as _quantize_v32
 
 D_V4 = 512
@@ -142,7 +142,7 @@ def _token_bytes(fmt: str, rows: torch.Tensor) -> torch.Tensor:
     if fmt == "V4":
         q, e = _e4m3_tiles(x[..., :V4_NOPE], V4_TILE)
         out[..., :V4_NOPE] = q
-        out[..., V4_NOPE:V4_DATA_ROW] = rows[..., V4_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
+        out[..., V4_NOPE:V4_DATA_ROW] = bf16_bytes(rows[..., V4_NOPE:])
         out[..., V4_DATA_ROW : V4_DATA_ROW + V4_TILES] = _ue8m0(e)
     elif fmt == "V32_NO_ROPE":
         q, e = _e4m3_tiles(x, 128)
@@ -252,7 +252,8 @@ def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: 
 
     On the ``cute`` backend (CUDA tensors on Hopper) this is one kernel launch that reads no value on the host, so
     a CUDA graph can capture it: a slot outside the cache is skipped like -1, and duplicate slots are not detected
-    (one launch cannot report them).  The ``reference`` backend (CPU) checks the slots and raises ValueError."""
+    (one launch cannot report them).  The ``reference`` backend (torch code, the CPU's, or any device's with
+    ``backend="reference"``) checks the slots and raises ValueError."""
     from .backend import select_backend
 
     fmt = format_of(k_cache, kv_format)

@@ -111,6 +111,8 @@ class SparseSplitConfig:
     extra_cache: str = ""
 
     def __post_init__(self):
+        if isinstance(self.extra_cache, bool):  # True: an extra cache of the main format (the field was a bool)
+            object.__setattr__(self, "extra_cache", self.kv_format if self.extra_cache else "")
         if self.extra_cache and not self.has_topk_length:
             raise ValueError("extra_cache: the kernel reads both caches' lengths, so has_topk_length must be set")
         if self.extra_cache not in ("", self.kv_format) and not (

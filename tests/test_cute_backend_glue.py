@@ -625,6 +625,10 @@ def test_precompile_sparse_configs(monkeypatch):
     assert mla_cute.precompile([dict(sparse=True, s_q=1, h_q=64, topk_length=True, kv_format="V41",
                                      extra_cache="V41_FP4")], schedule=x) == 1
     assert seen[-1] == (1, 64, False, x, True, "V41", "V41_FP4")
+    with pytest.raises(ValueError, match="precompile config 0: extra_cache must be True, False or a format"):
+        mla_cute.precompile([dict(sparse=True, s_q=1, h_q=64, kv_format="V41", extra_cache="V5")])
+    with pytest.raises(ValueError, match="extra_cache: the kernel reads an extra cache of the main"):
+        mla_cute.precompile([dict(sparse=True, s_q=1, h_q=64, kv_format="V4", extra_cache="V41_FP4")])
     with pytest.raises(ValueError, match="kv_format must be one of"):
         mla_cute.precompile([dict(sparse=True, s_q=2, h_q=128, kv_format="V5")])
     with pytest.raises(NotImplementedError, match="V41_FP4"):

@@ -349,7 +349,7 @@ def test_a_linked_library_loads_first_and_a_bad_one_falls_back_to_the_object(cac
     compile_("a", FakeFn(b"A"))
     lib, side = root / "ka.so", root / "ka.so.sum"
     assert lib.read_bytes().startswith(b"lib:A:ka:")
-    assert side.read_text().split()[2] == "cu13/lib/libcute_dsl_runtime.so"
+    assert side.read_text().split()[2:] == ["cu13/lib/libcute_dsl_runtime.so", (root / "ka.sum").read_text().split()[1]]
     assert jit._entry_problem(lib, side) is None
     jit.clear_memory_cache()
     assert compile_("a", FakeFn(b"B")) == ("lib", 0) and shared == [("ka.so", "cu13/lib/libcute_dsl_runtime.so")]
@@ -375,3 +375,25 @@ def test_a_cold_compile_announces_the_last_time_of_its_kind(cache, caplog, monke
     monkeypatch.setattr(jit.time, "perf_counter", lambda: 0.0)
     compile_(("dense_decode", 2), FakeFn(b"B"))
     assert any("compiling test ('dense_decode', 2), ~12 s ..." in r.getMessage() for r in caplog.records)
+
+
+def test_a_library_of_an_older_object_is_not_loaded(cache, monkeypatch, caplog):
+    """An entry rebuilt (its object damaged) whose new link fails keeps the old library on disk; that library
+    records the old object's digest, so the new object loads instead."""
+    root, loads = cache
+    monkeypatch.setattr(jit, "_link_shared", lambda obj, out: out.write_bytes(b"lib") or "cu13/lib/x.so")
+    monkeypatch.setattr(jit, "_load_shared", lambda path, name, runtime: "lib")
+    compile_("a", FakeFn(b"A"))
+    (root / "ka.o").write_bytes(b"damaged")
+
+    def fail(obj, out):
+        raise RuntimeError("cc exited 1: no space")
+
+    monkeypatch.setattr(jit, "_link_shared", fail)
+    jit.clear_memory_cache()
+    compile_("a", FakeFn(b"B"))  # rebuilt: new object, link failed, the old library left
+    assert (root / "ka.so").exists() and any("could not link" in w for w in warnings(caplog))
+    jit.clear_memory_cache()
+    got, builds = compile_("a", FakeFn(b"C"))
+    assert builds == 0 and got.data.startswith(b"B:ka:") and loads == [root / "ka.o"]
+    assert any("linked from another object" in w for w in warnings(caplog))

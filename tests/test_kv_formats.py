@@ -272,3 +272,16 @@ def test_metadata_serves_one_format():
     with pytest.raises(TypeError, match="kv_format must be a str"):
         mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, mla_cute.get_mla_metadata()[0],
                                         kv_format=4, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_nan_rope_values_are_one_bf16_pattern(dtype):
+    """A NaN RoPE value (either sign, any payload, any input dtype) is stored as bf16 0x7FFF, as the writer kernel
+    stores it; other values round to nearest even."""
+    for fmt, col in (("V32", 520), ("V4", 450)):
+        x = _rows(1, 1, fmt, seed=9).to(dtype)
+        x[0, 0, 0, col], x[0, 0, 0, col + 1] = float("nan"), -float("nan")
+        raw = mla_cute.quantize_kv_cache(x, kv_format=fmt).view(torch.uint8)[0, 0, 0]
+        at = 528 + 2 * (col - 512) if fmt == "V32" else 448 + 2 * (col - 448)
+        rope = raw[at: at + 4].view(torch.int16).tolist()
+        assert rope == [0x7FFF, 0x7FFF], (fmt, dtype, [hex(v & 0xFFFF) for v in rope])

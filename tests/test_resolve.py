@@ -472,3 +472,16 @@ def test_reference_sparse_metadata_is_the_cute_plan():
     assert torch.equal(meta.num_splits, splits) and torch.equal(meta.tile_scheduler_metadata, records)
     fifth = plan_splits(torch.full((2,), 2048), call.parts, 64, DEFAULT_SPARSE_SCHEDULE.split_fixed_cost)[1]
     assert not torch.equal(splits, fifth), "the small plan's fixed cost changes this plan"
+
+
+def test_sparse_split_config_takes_the_old_boolean_extra_cache():
+    """``extra_cache`` names the extra cache's format; True (an extra cache of the main format) and False, as the
+    field once was, still mean that."""
+    from mla_cute.schedules.configs import SparseSplitConfig
+
+    fields = dict(s_q=1, h_q=64, has_sink=False, has_topk_length=True, crossover=False, producer_halves=False,
+                  partials_16bit=False, kv_format="V4")
+    assert SparseSplitConfig(**fields, extra_cache=True).extra_cache == "V4"
+    assert SparseSplitConfig(**fields, extra_cache=False).extra_cache == ""
+    with pytest.raises(ValueError, match="extra_cache: the kernel reads an extra cache"):
+        SparseSplitConfig(**fields, extra_cache="V41_FP4")

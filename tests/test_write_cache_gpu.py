@@ -24,6 +24,7 @@ def _edge_rows(n: int, d: int, g: torch.Generator) -> torch.Tensor:
         return x
     x[0] = 0.0
     x[1, 3], x[1, 200] = float("nan"), -float("nan")
+    x[1, d - 3], x[1, d - 2] = float("nan"), -float("nan")  # V32's and V4's RoPE columns: bf16 0x7FFF
     x[2, 40], x[2, 300], x[2, 500] = float("inf"), -float("inf"), -0.0
     x[3] = 448.0 * torch.pow(2.0, torch.randint(-16, 8, (d,), generator=g).float())  # exact powers of two
     x[4] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * (d // 8)) * torch.where(
