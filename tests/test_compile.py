@@ -86,7 +86,7 @@ def _sparse_step(s_q: int, h_q: int, has_sink: bool = False, *, has_topk_length:
 
     # 4096 requests of 2048 tokens: far more tiles a part than a small plan has.
     step = resolve_sparse(DEFAULT_SPARSE_SCHEDULE, b=4096, s_q=s_q, h_q=h_q, topk=2048, has_sink=has_sink,
-                          has_topk_length=has_topk_length or extra_cache, capturing=True, kv_format=kv_format,
+                          has_topk_length=has_topk_length or bool(extra_cache), capturing=True, kv_format=kv_format,
                           extra_cache=extra_cache).capture_step
     return dataclasses.replace(step, split=dataclasses.replace(step.split, **split), with_combine=with_combine)
 
