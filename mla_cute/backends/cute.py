@@ -260,10 +260,11 @@ def _aligned_rows(t: torch.Tensor) -> bool:
 
 
 def check_kernel_format(kv_format: str, name: str) -> None:
-    """The formats the sparse kernel reads: every one but V41_FP4 (``name``: what the error names)."""
+    """The formats the sparse kernel reads as its main cache: every one but V41_FP4, which it reads only as the
+    extra cache beside V41 / V41_PAGED (``name``: what the error names)."""
     if kv_format == "V41_FP4":
-        raise NotImplementedError(f"{name}: the 'cute' sparse kernel does not read V41_FP4 caches "
-                                  "(backend='reference' does)")
+        raise NotImplementedError(f"{name}: the 'cute' sparse kernel reads V41_FP4 only as the extra cache beside a "
+                                  "V41 or V41_PAGED k_cache")
 
 
 def check_extra_cache_supported(k_cache: torch.Tensor, extra_k_cache: torch.Tensor, kv_format: str,
