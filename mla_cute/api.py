@@ -16,6 +16,7 @@ from .backends import cute, reference
 from .device import device_facts
 from .fp8 import D_QK, dequantize_kv_cache
 from .kv_formats import HEAD_DIM, format_of
+from .schedules.configs import check_extra_format
 from .schedules import (
     DEFAULT_DENSE_SCHEDULE,
     DEFAULT_SPARSE_SCHEDULE,
@@ -567,9 +568,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
             elif extra not in HEAD_DIM:
                 raise ValueError(f"precompile config {i}: extra_cache must be True, False or a format name "
                                  f"({sorted(HEAD_DIM)}), got {extra!r}")
-            if extra not in ("", fmt) and not (extra == "V41_FP4" and fmt in ("V41", "V41_PAGED")):
-                raise ValueError(f"precompile config {i}: extra_cache: the kernel reads an extra cache of the main "
-                                 f"cache's format ({fmt}) or V41_FP4 beside V41 / V41_PAGED, got {extra!r}")
+            check_extra_format(fmt, extra, f"precompile config {i}: extra_cache")
             cute.precompile_sparse(cfg["s_q"], cfg["h_q"], bool(cfg.get("attn_sink", False)), sched,
                                    bool(cfg.get("topk_length", False)), fmt, extra)
             count += 1

@@ -25,6 +25,7 @@ only costs the persistence (one warning); compiling still works.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -108,6 +109,7 @@ def _target_arch() -> str:
     return "unknown"
 
 
+@functools.lru_cache(maxsize=1)
 def _runtime_versions() -> tuple:
     """The versions an exported object depends on beyond the DSL's: the TVM-FFI it is called through."""
     from importlib import metadata
@@ -118,6 +120,7 @@ def _runtime_versions() -> tuple:
         return ("no tvm-ffi",)
 
 
+@functools.lru_cache(maxsize=1)
 def _dsl_version() -> str:
     """The installed DSL's version, read without importing it where its packages say it (its import costs seconds
     on a cold start): the DSL's and its base libraries' versions, else the imported module's."""

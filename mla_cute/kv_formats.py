@@ -107,7 +107,7 @@ def _e4m3_values(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float8_e4m3fn).float()
 
 
-def _pages(k_cache: torch.Tensor, row: int) -> torch.Tensor:
+def page_rows(k_cache: torch.Tensor, row: int) -> torch.Tensor:
     """A cache's pages as raw bytes [num_blocks, row * page] from each page's base (strided V4 caches included)."""
     raw = k_cache.view(torch.uint8)
     nb, page = raw.shape[0], raw.shape[1]
@@ -188,7 +188,7 @@ def dequantize_kv_cache(k_cache_fp8: torch.Tensor, kv_format=None) -> torch.Tens
     nb, page = k_cache.shape[0], k_cache.shape[1]
     if fmt in PAGE_BLOCKED:
         data, scale, _ = PAGE_BLOCKED[fmt]
-        pages = _pages(k_cache, data + scale)
+        pages = page_rows(k_cache, data + scale)
         raw = torch.cat([pages[:, : data * page].reshape(nb, page, data),
                          pages[:, data * page :].reshape(nb, page, scale)], dim=-1)
     else:
@@ -235,7 +235,7 @@ def gather_rows(k_cache: torch.Tensor, tokens: torch.Tensor, kv_format=None) -> 
     else:
         data, scale, _ = PAGE_BLOCKED[fmt]
         page = k_cache.shape[1]
-        pages = _pages(k_cache, data + scale)
+        pages = page_rows(k_cache, data + scale)
         blk, slot = tokens // page, tokens % page
         rows = pages[blk.unsqueeze(1), (data * slot).unsqueeze(1) + torch.arange(data, device=tokens.device)]
         at = data * page + scale * slot
@@ -291,7 +291,7 @@ def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: 
         k_cache.view(torch.uint8)[blk, off, 0] = raw
         return
     data, scale, _ = PAGE_BLOCKED[fmt]
-    pages = _pages(k_cache, data + scale)
+    pages = page_rows(k_cache, data + scale)
     pages[blk.unsqueeze(1), (data * off).unsqueeze(1) + torch.arange(data, device=slots.device)] = raw[:, :data]
     at = data * page + scale * off
     pages[blk.unsqueeze(1), at.unsqueeze(1) + torch.arange(scale, device=slots.device)] = raw[:, data:]

@@ -86,6 +86,14 @@ class DenseStepConfig:
     fill: bool = False
 
 
+def check_extra_format(kv_format: str, extra: str, name: str) -> None:
+    """The extra caches the sparse kernel reads beside a ``kv_format`` main cache: none (""), one of its format, or
+    V41_FP4 beside V41 / V41_PAGED (ValueError naming ``name`` otherwise)."""
+    if extra not in ("", kv_format) and not (extra == "V41_FP4" and kv_format in ("V41", "V41_PAGED")):
+        raise ValueError(f"{name}: the kernel reads an extra cache of the main cache's format ({kv_format}) or "
+                         f"V41_FP4 beside V41 / V41_PAGED, got {extra!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseSplitConfig:
     """One sparse FP8 decode split kernel: ``s_q`` tokens of ``h_q`` heads, with an attention sink, with
@@ -115,10 +123,7 @@ class SparseSplitConfig:
             object.__setattr__(self, "extra_cache", self.kv_format if self.extra_cache else "")
         if self.extra_cache and not self.has_topk_length:
             raise ValueError("extra_cache: the kernel reads both caches' lengths, so has_topk_length must be set")
-        if self.extra_cache not in ("", self.kv_format) and not (
-                self.extra_cache == "V41_FP4" and self.kv_format in ("V41", "V41_PAGED")):
-            raise ValueError(f"extra_cache: the kernel reads an extra cache of the main cache's format "
-                             f"({self.kv_format}) or V41_FP4 beside V41 / V41_PAGED, got {self.extra_cache!r}")
+        check_extra_format(self.kv_format, self.extra_cache, "extra_cache")
 
     @property
     def head_tiles(self) -> int:

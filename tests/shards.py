@@ -20,33 +20,26 @@ import sys
 import time
 from pathlib import Path
 
-GRID = re.compile(r"test_dense_grid\[(\d+)-(\d+)-(\d+)-(\d+)-(\d+)-(\w+)-(\w+)\]")
-PREFILL_GRID = re.compile(r"test_prefill_grid\[(\d+)-(\d+)-\d+-\d+-\d+-([\w+]+)\]")
-FP8_PREFILL_GRID = re.compile(r"test_prefill_fp8_grid\[(\d+)-\d+-\d+-\d+-([\w+]+)\]")
-FORMAT_GRID = re.compile(r"test_format_grid\[(\w+)-\d+-(\d+)-(\d+)-")
-EXTRA_CACHE = re.compile(r"test_extra_(?:fp4_)?cache_\w+\[[^\]]+\]")
+# What groups a parametrized test's cases (those that build the same kernels): its id's pattern, and the group
+# named from the pattern's fields.
+GROUPS = [
+    (re.compile(r"test_dense_grid\[(\d+)-(\d+)-(\d+)-(\d+)-(\d+)-(\w+)-(\w+)\]"),
+     lambda _b, s_q, _s_k, h_q, h_kv, _dtype, causal: f"grid s_q={s_q} h_q={h_q} h_kv={h_kv} causal={causal}"),
+    (re.compile(r"test_prefill_grid\[(\d+)-(\d+)-\d+-\d+-\d+-([\w+]+)\]"),
+     lambda d_qk, h_q, options: f"prefill grid d_qk={d_qk} h_q={h_q} {options}"),
+    (re.compile(r"test_prefill_fp8_grid\[(\d+)-\d+-\d+-\d+-([\w+]+)\]"),
+     lambda h_q, options: f"fp8 prefill grid h_q={h_q} {options}"),
+    (re.compile(r"test_format_grid\[(\w+)-\d+-(\d+)-(\d+)-"),
+     lambda fmt, s_q, h_q: f"format grid {fmt} s_q={s_q} h_q={h_q}"),
+    (re.compile(r"(test_extra_(?:fp4_)?cache_\w+\[[^\]]+\])"), lambda case: case),  # case by case
+]
 
 
 def group_of(test_id: str) -> str:
-    m = GRID.search(test_id)
-    if m:
-        _, s_q, _, h_q, h_kv, _, causal = m.groups()
-        return f"grid s_q={s_q} h_q={h_q} h_kv={h_kv} causal={causal}"
-    m = PREFILL_GRID.search(test_id)
-    if m:
-        d_qk, h_q, options = m.groups()
-        return f"prefill grid d_qk={d_qk} h_q={h_q} {options}"
-    m = FP8_PREFILL_GRID.search(test_id)
-    if m:
-        h_q, options = m.groups()
-        return f"fp8 prefill grid h_q={h_q} {options}"
-    m = FORMAT_GRID.search(test_id)
-    if m:
-        fmt, s_q, h_q = m.groups()
-        return f"format grid {fmt} s_q={s_q} h_q={h_q}"
-    m = EXTRA_CACHE.search(test_id)
-    if m:
-        return m.group(0)
+    for pattern, name in GROUPS:
+        m = pattern.search(test_id)
+        if m:
+            return name(*m.groups())
     return test_id.split("[")[0]
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..device import device_facts, num_sms
-from ..kv_formats import BYTES_PER_TOKEN, PAGE_BLOCKED
+from ..kv_formats import BYTES_PER_TOKEN, PAGE_BLOCKED, page_rows
 from ..schedules.configs import WriteCacheConfig
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.planner import whole_token_plan
@@ -27,12 +27,13 @@ _LOG2_E = math.log2(math.e)
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    """What TMA and the 16-byte loads need: unit last stride, 16-byte base and strides (16-bit elements)."""
+    """What TMA and the 16-byte loads need: unit last stride, 16-byte base and strides."""
     s = t.stride()
     if s[-1] != 1 or t.data_ptr() % 16:
         return False
+    size = t.element_size()
     for x in s[:-1]:
-        if x % 8:
+        if x * size % 16:
             return False
     return True
 
@@ -245,18 +246,10 @@ def write_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: tor
     check_cache_layout(k_cache, kv_format, "k_cache", "cache writer")
     if new_rows.shape[0] == 0:
         return
-    rows = new_rows if _aligned_rows(new_rows) else _packed_copy(new_rows)
+    rows = new_rows if _aligned(new_rows) else _packed_copy(new_rows)
     kernel = compile_write_cache(_writer_config(kv_format, new_rows.dtype, slot_mapping.dtype))
     data, scale, _ = PAGE_BLOCKED.get(kv_format, (BYTES_PER_TOKEN[kv_format], 0, 0))
-    raw = k_cache.view(torch.uint8)
-    pages = torch.as_strided(raw, (raw.shape[0], (data + scale) * raw.shape[1]), (raw.stride(0), 1),
-                             raw.storage_offset()).view(torch.int32)
-    kernel(rows, slot_mapping.contiguous(), pages, k_cache.shape[1])
-
-
-def _aligned_rows(t: torch.Tensor) -> bool:
-    """Rows the writer loads in 16-byte pieces: unit last stride, 16-byte aligned base and row stride."""
-    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+    kernel(rows, slot_mapping.contiguous(), page_rows(k_cache, data + scale).view(torch.int32), k_cache.shape[1])
 
 
 def check_kernel_format(kv_format: str, name: str) -> None:
