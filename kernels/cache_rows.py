@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .bits import byte_perm, e4m3_value, from_bits
 
 PIECE = 16  # bytes per load
 WORDS = PIECE // 4
@@ -123,9 +123,7 @@ class NoRopeRows(CacheRows):
 @cute.jit
 def ue8m0_scale(word, byte):
     """The fp32 scale 2^(e - 127) of byte ``byte`` (0-3, may be a register) of ``word``."""
-    bits = cute.make_rmem_tensor((1,), cutlass.Int32)
-    bits[0] = ((word >> (byte * 8)) & 0xFF) << 23
-    return cute.recast_tensor(bits, cutlass.Float32)[0]
+    return from_bits(((word >> (byte * 8)) & 0xFF) << 23)
 
 
 class V41Rows(CacheRows):
@@ -184,15 +182,6 @@ class V4Rows(PageBlocked, CacheRows):
         return ue8m0_scale(raw[m // 2, SCALE_SLOT, k], 2 * (m % 2) + (lane >> 2))
 
 
-@dsl_user_op
-def byte_perm(a: cutlass.Int32, b: cutlass.Int32, selector: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
-    """``prmt.b32``: byte i of the result is byte (nibble i of ``selector``) of the 8 bytes b:a."""
-    return cutlass.Int32(llvm.inline_asm(
-        T.i32(), [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for x in (a, b, selector)],
-        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
 class Fp4Rows(CacheRows):
     """V41_FP4, an extra cache's codec (the module docstring)."""
 
@@ -213,11 +202,7 @@ class Fp4Rows(CacheRows):
         slot = SCALE_SLOT if m < 2 else ROPE_SLOT
         word = cutlass.select_(lane < 4, raw[2 * (m % 2), slot, k], raw[2 * (m % 2) + 1, slot, k])
         byte = (word >> ((lane & 3) * 8)) & 0x7F  # a scale is positive
-        bits = cute.make_rmem_tensor((1,), cutlass.Int32)
-        bits[0] = byte << 20
-        value = cute.recast_tensor(bits, cutlass.Float32)[0] * cutlass.Float32(2.0 ** 120)
-        if byte < 8:  # subnormal: m 2^-9
-            value = cutlass.Float32(byte) * cutlass.Float32(2.0 ** -9)
+        value = e4m3_value(byte)
         if byte == 0x7F:  # a tile that held NaN or inf: NaN, as the reference reads it
             value = cutlass.Float32.nan
         return value

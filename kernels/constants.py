@@ -21,3 +21,5 @@ LN_2 = math.log(2.0)
 L2_EVICT_FIRST = 0x12F0000000000000
 # The configs' dtype names (``schedules/configs.py``).
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+# What the cache writer and the merge also take: fp32 rows and parts.
+FLOAT_DTYPES = {**DTYPES, "float32": cutlass.Float32}

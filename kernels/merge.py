@@ -14,8 +14,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..schedules.configs import MergeConfig
-from .constants import LN_2, LOG2_E
-from .write_cache import ROW_TYPES
+from .constants import FLOAT_DTYPES, LN_2, LOG2_E
 
 ROWS_PER_CTA = 4
 
@@ -24,7 +23,7 @@ class MergeKernel:
     num_threads = 32 * ROWS_PER_CTA
 
     def __init__(self, config: MergeConfig):
-        self.dtype = ROW_TYPES[config.dtype]
+        self.dtype = FLOAT_DTYPES[config.dtype]
         self.cols = config.d_v // 32  # a lane's columns
         self.has_sink = config.has_sink
 

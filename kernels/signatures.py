@@ -12,7 +12,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor  # noqa: E402
 
 from ..schedules.configs import CombineConfig, MergeConfig, SparsePrefillConfig, WriteCacheConfig  # noqa: E402
-from .constants import D_QK, D_V, DTYPES  # noqa: E402
+from .constants import D_QK, D_V, DTYPES, FLOAT_DTYPES  # noqa: E402
 
 
 def compile_kernel(kernel, args, options: str = ""):
@@ -137,9 +137,7 @@ def sparse_prefill_signature(config: SparsePrefillConfig):
 
 def write_cache_signature(config: WriteCacheConfig):
     """Fake tensors matching ``WriteCacheKernel.__call__``: 16-byte aligned rows, the pages as int32 words."""
-    from .write_cache import ROW_TYPES
-
-    dtype = ROW_TYPES[config.dtype]
+    dtype = FLOAT_DTYPES[config.dtype]
     d = 576 if config.kv_format == "V32" else 512
     per_vector = 16 // (dtype.width // 8)
     rows = make_fake_tensor(dtype, (_sym(), d), (_sym(per_vector, 64), 1), assumed_align=16)
@@ -151,9 +149,7 @@ def write_cache_signature(config: WriteCacheConfig):
 
 def merge_signature(config: MergeConfig):
     """Fake tensors matching ``MergeKernel.__call__``: packed outs and lses, the merged out and lse."""
-    from .write_cache import ROW_TYPES
-
-    dtype = ROW_TYPES[config.dtype]
+    dtype = FLOAT_DTYPES[config.dtype]
     r, b, s_q, h_q = _sym(), _sym(), _sym(), _sym()
     outs = make_fake_compact_tensor(dtype, (r, b, s_q, h_q, config.d_v), stride_order=(4, 3, 2, 1, 0), assumed_align=16)
     lses = make_fake_compact_tensor(cutlass.Float32, (r, b, h_q, s_q), stride_order=(3, 2, 1, 0), assumed_align=4)

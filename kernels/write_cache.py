@@ -32,13 +32,10 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..schedules.configs import WriteCacheConfig
-from .constants import DTYPES
-
-ROW_TYPES = {**DTYPES, "float32": cutlass.Float32}  # new_rows dtypes
+from .bits import as_bits, bf16_pair, div_rn, e4m3_pair, e4m3_value, from_bits
+from .constants import FLOAT_DTYPES
 
 ROWS_PER_CTA = 4
 LANE_VALUES = 16
@@ -50,60 +47,12 @@ _NAN_BITS = 0x7FC00000
 _E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-@dsl_user_op
-def div_rn(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
-    """a / b rounded to nearest (IEEE), as torch divides."""
-    return cutlass.Float32(llvm.inline_asm(
-        T.f32(), [cutlass.Float32(a).ir_value(loc=loc, ip=ip), cutlass.Float32(b).ir_value(loc=loc, ip=ip)],
-        "div.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def e4m3_pair(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
-    """Two fp32 values as e4m3 bytes (round to nearest even; ``lo`` the low byte), in the low half."""
-    return cutlass.Int32(llvm.inline_asm(
-        T.i32(), [cutlass.Float32(lo).ir_value(loc=loc, ip=ip), cutlass.Float32(hi).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b16 p; cvt.rn.satfinite.e4m3x2.f32 p, $2, $1; cvt.u32.u16 $0, p; }", "=r,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@cute.jit
-def bf16_pair(lo: cutlass.Float32, hi: cutlass.Float32) -> cutlass.Int32:
-    """Two values as bf16 (round to nearest even; ``lo`` the low half), a NaN as 0x7FFF."""
-    pair = cute.make_rmem_tensor((2,), cutlass.Float32)
-    pair[0] = lo
-    pair[1] = hi
-    halves = cute.make_rmem_tensor((2,), cutlass.BFloat16)
-    halves.store(pair.load().to(cutlass.BFloat16))
-    word = cute.recast_tensor(halves, cutlass.Int32)[0]
-    if lo != lo:
-        word = (word & -65536) | 0x7FFF
-    if hi != hi:
-        word = (word & 0xFFFF) | 0x7FFF0000
-    return word
-
-
-@cute.jit
-def as_bits(x: cutlass.Float32) -> cutlass.Int32:
-    r = cute.make_rmem_tensor((1,), cutlass.Float32)
-    r[0] = x
-    return cute.recast_tensor(r, cutlass.Int32)[0]
-
-
-@cute.jit
-def from_bits(b: cutlass.Int32) -> cutlass.Float32:
-    r = cute.make_rmem_tensor((1,), cutlass.Int32)
-    r[0] = b
-    return cute.recast_tensor(r, cutlass.Float32)[0]
-
-
 class WriteCacheKernel:
     num_threads = 32 * ROWS_PER_CTA
 
     def __init__(self, config: WriteCacheConfig):
         self.kv_format = config.kv_format
-        self.dtype = ROW_TYPES[config.dtype]
+        self.dtype = FLOAT_DTYPES[config.dtype]
         self.tile, self.data_bytes, self.scale_bytes = LAYOUT[config.kv_format]
 
     @cute.jit
@@ -228,9 +177,7 @@ class WriteCacheKernel:
         q = div_rn(amax, cutlass.Float32(6.0))
         q = cutlass.min(cutlass.max(q, cutlass.Float32(2.0 ** -9)), cutlass.Float32(448.0))
         s_byte = e4m3_pair(q, cutlass.Float32(0.0)) & 0xFF
-        s = from_bits(s_byte << 20) * cutlass.Float32(2.0 ** 120)  # the e4m3 byte's value (positive, normal)
-        if s_byte < 8:  # subnormal e4m3: m * 2^-9
-            s = cutlass.Float32(s_byte) * cutlass.Float32(2.0 ** -9)
+        s = e4m3_value(s_byte)
         if top >= _INF_BITS:
             s_byte = cutlass.Int32(0x7F)
         words = cute.make_rmem_tensor((2,), cutlass.Int32)
