@@ -592,3 +592,22 @@ def test_merge_kernel_compiles_clean(dtype, has_sink, capfd):
     assert "ld.local" not in ptx and "st.local" not in ptx
     spills, _ = _ptxas_report(capfd.readouterr().err)
     assert spills and all(sp == (0, 0, 0) for sp in spills), spills
+
+
+def test_compile_kernel_adds_the_pipeline_switch_and_keeps_the_option_string(monkeypatch):
+    """``compile_kernel`` compiles with ``PIPELINE`` among the DSL's raw compiler options, and the option string
+    a caller gives (``--keep-ptx``) still applies."""
+    from cutlass.base_dsl.compiler import CompileCallable, EnableTVMFFI, ExtraCompilerOpts, KeepPTX
+
+    from mla_cute.kernels import signatures
+
+    seen = []
+    monkeypatch.setattr(CompileCallable, "__call__", lambda self, *a, **k: seen.append(self._compile_options))
+    signatures.compile_kernel(object(), (), "--keep-ptx")
+    signatures.compile_kernel(object(), ())
+    keep, plain = seen
+    for options in seen:
+        assert signatures.PIPELINE in options.options[ExtraCompilerOpts].value.split()
+        assert options.options[EnableTVMFFI].value is True
+    assert keep.options[KeepPTX].value is True
+    assert plain.options[KeepPTX].value is False
