@@ -10,7 +10,7 @@ import pickle
 import subprocess
 import sys
 
-from ..jit import _report, cached_compile, disk_cache_enabled, estimate, is_warm
+from ..jit import _report, _target_arch, cached_compile, disk_cache_enabled, estimate, is_warm, prepare_dsl
 from ..schedules.configs import (CombineConfig, DenseStepConfig, MergeConfig, SchedulerConfig, SparsePrefillConfig,
                                  SparseStepConfig, WriteCacheConfig)
 
@@ -66,14 +66,19 @@ def _build_in_processes(cold: list) -> None:
     # The child sets its sys.path to this process's before importing anything of ours (``python -c`` would put
     # the working directory first, where another checkout may lie).
     # The task is pickled inside: unpickling its config imports our modules.
-    command = [sys.executable, "-c", "import pickle, sys; path, task = pickle.loads(sys.stdin.buffer.read()); "
-               "sys.path[:] = path; from mla_cute.kernels.build import _build_child; _build_child(pickle.loads(task))"]
+    # It imports no torch (a kernel compiles from fake tensors; TVM-FFI imports torch where it finds it, 4 s of a
+    # cold compile on a 16-core H200 machine), so it is told the arch this process targets.
+    command = [sys.executable, "-c", "import pickle, sys; sys.modules['torch'] = None; "
+               "path, task = pickle.loads(sys.stdin.buffer.read()); sys.path[:] = path; "
+               "from mla_cute.kernels.build import _build_child; _build_child(pickle.loads(task))"]
     path = list(sys.path)
+    prepare_dsl()  # without a GPU: sm_90a
+    env = dict(os.environ, CUTE_DSL_ARCH=_target_arch())
 
     def build(task):
         try:
             done = subprocess.run(command, input=pickle.dumps((path, pickle.dumps(task))), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT)
+                                  stderr=subprocess.STDOUT, env=env)
             return task, done.returncode, done.stdout.decode(errors="replace")
         except OSError as exc:  # no interpreter to start (an embedded one): built here instead
             return task, None, f"{type(exc).__name__}: {exc}"

@@ -1,33 +1,40 @@
-"""mla-cute: FlashMLA-compatible Multi-head Latent Attention kernels for Hopper in the CuTe DSL."""
+"""mla-cute: FlashMLA-compatible Multi-head Latent Attention kernels for Hopper in the CuTe DSL.
 
-from .api import (
-    FlashMLASchedMeta,
-    flash_mla_sparse_fwd,
-    flash_mla_with_kvcache,
-    get_mla_metadata,
-    precompile,
-    use_schedule,
-)
-from .backend import select_backend
-from .distributed import merge_partial_attention
-from .fp8 import FP8_BYTES_PER_TOKEN
-from .jit import cache_info
-from .kv_formats import dequantize_kv_cache, quantize_kv_cache, write_kv_cache
+The public names load on first use (PEP 562), so that a kernel build in a process of its own
+(``mla_cute.kernels.build``) imports neither the API nor torch."""
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "FlashMLASchedMeta",
-    "get_mla_metadata",
-    "flash_mla_with_kvcache",
-    "flash_mla_sparse_fwd",
-    "quantize_kv_cache",
-    "dequantize_kv_cache",
-    "write_kv_cache",
-    "FP8_BYTES_PER_TOKEN",
-    "select_backend",
-    "precompile",
-    "cache_info",
-    "merge_partial_attention",
-    "use_schedule",
-]
+# Each public name and the module that defines it.
+_EXPORTS = {
+    "FlashMLASchedMeta": "api",
+    "get_mla_metadata": "api",
+    "flash_mla_with_kvcache": "api",
+    "flash_mla_sparse_fwd": "api",
+    "precompile": "api",
+    "use_schedule": "api",
+    "quantize_kv_cache": "kv_formats",
+    "dequantize_kv_cache": "kv_formats",
+    "write_kv_cache": "kv_formats",
+    "FP8_BYTES_PER_TOKEN": "fp8",
+    "select_backend": "backend",
+    "cache_info": "jit",
+    "merge_partial_attention": "distributed",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mla_cute' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -43,8 +43,10 @@ A part with begin_req > end_req has no work.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch  # imported where used: a kernel build (``mla_cute.kernels.build``'s processes) imports no torch
 
 RECORD_FIELDS = (
     "begin_req",
@@ -87,6 +89,8 @@ def split_policy(schedule, rows: int) -> tuple[int, int, int]:
 def sparse_lengths(topk: int, topk_length, b: int) -> torch.Tensor:
     """Per-request work of sparse decode in tokens: ``topk_length`` (or ``topk``), at least 1 so every
     request gets a part that writes its (possibly empty) result, as FlashMLA's scheduler does."""
+    import torch
+
     lens = torch.full((b,), topk, dtype=torch.int64) if topk_length is None else topk_length.detach().cpu().long()
     return lens.clamp(1, topk)
 
@@ -103,6 +107,8 @@ def whole_token_plan(num_tokens: int, num_parts: int) -> tuple[torch.Tensor, tor
     part that wrote its rows.  The plan needs no lengths (a shape fact, the same on every call)."""
     if num_tokens < 1 or num_parts < 1:
         raise ValueError(f"whole_token_plan needs num_tokens and num_parts >= 1, got {num_tokens}, {num_parts}")
+    import torch
+
     records = torch.zeros(num_parts, RECORD_SIZE, dtype=torch.int32)
     part = torch.arange(num_parts, dtype=torch.int64)
     records[:, 0] = part * num_tokens // num_parts
@@ -143,6 +149,8 @@ def plan_splits(
     _check_fill(num_parts, fill_parts, fill_share)
     records, num_splits, _ = _walk(lens, num_parts, block_n, fixed_cost, unsplit_slack, even_split_slack,
                                    fill_parts, fill_share)
+    import torch
+
     return torch.tensor(records, dtype=torch.int32).view(num_parts, RECORD_SIZE), torch.tensor(num_splits, dtype=torch.int32)
 
 
@@ -179,6 +187,8 @@ def _host_lengths(seqlens: torch.Tensor, num_parts: int, block_n: int, fixed_cos
         raise ValueError(f"unsplit_slack must be >= 0, got {unsplit_slack}")
     if even_split_slack < 0:
         raise ValueError(f"even_split_slack must be >= 0, got {even_split_slack}")
+    import torch
+
     lens = [int(x) for x in seqlens.detach().to("cpu", torch.int64).tolist()]
     if not lens:
         raise ValueError("seqlens must hold at least one request")

@@ -161,6 +161,45 @@ def test_merge_kernel_matches_the_cpu(dtype, parts, sink):
         merge_partial_attention(outs[..., :100].cuda(), lses.cuda())
 
 
+def _nccl_graph_main(rank, path):
+    import torch.distributed as dist
+
+    from mla_cute.distributed import context_parallel_decode
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=1)
+    try:
+        q, k_cache, block_table, seqlens = (t.cuda() for t in _dense_case(seed=5, h_q=64, lens=(700, 64, 1, 0, 129)))
+        meta = mla_cute.get_mla_metadata()[0]
+        with torch.inference_mode():
+            context_parallel_decode(q, k_cache, block_table, seqlens, 512, meta)  # compiles; NCCL's first call
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out, lse = context_parallel_decode(q, k_cache, block_table, seqlens, 512, meta)
+            gen = torch.Generator(device="cuda").manual_seed(6)
+            q.copy_(torch.randn(q.shape, generator=gen, device="cuda") * 0.5)
+            k_cache.copy_(torch.randn(k_cache.shape, generator=gen, device="cuda") * 0.5)
+            seqlens.copy_(torch.tensor([129, 700, 0, 64, 1]))
+            out.fill_(float("nan"))
+            graph.replay()
+            ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512,
+                                                               mla_cute.get_mla_metadata()[0])
+            torch.cuda.synchronize()
+        assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse))
+        finite = torch.isfinite(ref_lse)
+        assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-6)
+        assert torch.allclose(out.float(), ref_out.float(), atol=1e-2, rtol=1e-2)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_context_parallel_decode_over_nccl_in_a_cuda_graph(tmp_path):
+    """One NCCL rank (one GPU holds no second): the decode, the all-gather and the merge captured in a CUDA graph
+    under inference mode replay with new q, cache and lengths to the whole decode's result."""
+    mp.spawn(_nccl_graph_main, args=(str(tmp_path / "rendezvous"),), nprocs=1, join=True)
+
+
 def test_example_runs():
     import re
     import subprocess

@@ -127,8 +127,18 @@ def test_parallel_build_writes_the_objects_a_serial_build_does(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.count("script ran") == 1
         assert proc.stderr.count("compiling scheduler") == 2
+        assert "building it here" not in proc.stderr  # the children built them, without torch
         objects[mode] = {p.name: p.read_bytes() for p in cache.glob("*.o")}
     assert len(objects["serial"]) == 2 and objects["parallel"] == objects["serial"]
+
+
+def test_a_kernel_build_imports_no_torch():
+    """The package, the schedules and the build module import no torch (a build process runs without it)."""
+    code = ("import sys; import mla_cute, mla_cute.schedules, mla_cute.kernels.build; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
 
 
 NO_DSL = textwrap.dedent(
