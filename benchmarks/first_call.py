@@ -6,8 +6,8 @@ cache (a new temporary directory), ``warm`` with the one the cold run of the sam
 
     python benchmarks/first_call.py [--modes dense1,sparse] [--out results.json]
 
-Modes: dense1 = dense b 64, s_k 4096, s_q 1, h_q 128 (bf16, page 64); sparse = sparse V3.2 FP8 b 64,
-s_k 8192, s_q 1, h_q 128, topk 2048.
+Modes: dense1 = dense b 64, s_k 4096, s_q 1, h_q 128 (bf16, page 64); dense2 = the same with s_q 2, h_q 64,
+causal; sparse = sparse V3.2 FP8 b 64, s_k 8192, s_q 1, h_q 128, topk 2048.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 
 MODES = {
     "dense1": "dense b 64, s_k 4096, s_q 1, h_q 128",
+    "dense2": "dense b 64, s_k 4096, s_q 2, h_q 64, causal",
     "sparse": "sparse V32 b 64, s_k 8192, s_q 1, h_q 128, topk 2048",
 }
 
@@ -35,14 +36,16 @@ def _child(mode: str) -> dict:
 
     t2 = time.perf_counter()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    if mode == "dense1":
+    if mode.startswith("dense"):
         from bench_decode import make_inputs
 
-        q, k_cache, block_table, seqlens = make_inputs(64, 1, 128, 4096)
+        s_q, h_q = (1, 128) if mode == "dense1" else (2, 64)
+        q, k_cache, block_table, seqlens = make_inputs(64, s_q, h_q, 4096)
         meta = mla_cute.get_mla_metadata()[0]
 
         def step():
-            return mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, backend="cute")
+            return mla_cute.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=s_q > 1,
+                                                   backend="cute")
     else:
         from bench_sparse import make_inputs
 
