@@ -549,43 +549,27 @@ class DenseSeesawKernel(SeesawConsumer):
     @cute.jit
     def wg1_pair_cross_first(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
                              tail: cutlass.Constexpr):
-        """``wg1_pair`` in the cross-term-first order: O_R moves to m0 and P0 V0_R is issued before this
-        warpgroup's softmax; P1 V1_R queues behind it."""
+        """``wg1_pair`` in the cross-term-first order (``wg1_tiles_cross_first``).  In the tail the two cases are
+        whole branches (a join between P V issues costs registers)."""
+        if cutlass.const_expr(not tail):
+            self.wg1_tiles_cross_first(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2, False)
+        else:
+            if blk + 1 < last:
+                self.wg1_tiles_cross_first(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2, True)
+            else:
+                self.wg1_last_tile_cross_first(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2)
+
+    @cute.jit
+    def wg1_tiles_cross_first(self, v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2,
+                              tail: cutlass.Constexpr):
+        """(Cross term first) Both tiles of the pair: O_R moves to m0 and P0 V0_R is issued before this
+        warpgroup's softmax; P1 V1_R queues behind it.  ``tail``: masked, V rows past the length zeroed, no
+        next S."""
         bars.scale0.arrive_and_wait()
         rescale_o(v.acc_o, self.row_values(rows, sScale, 0))
         if cutlass.const_expr(tail):
             self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
         self.issue_pv(v, v.mmas.pv_ss, v.tOrP0, v.tOrV_ss, 0)
-        if cutlass.const_expr(not tail):
-            self.wg1_p1_v1_cross_first(v, rows, sM, sScale, seqlen, blk, scale_log2, False)
-            bars.scale1.arrive()
-            warpgroup.wait_group(1)  # P0 V0_R: sP0 and K0's right half are free
-        else:
-            if blk + 1 < last:
-                self.wg1_p1_v1_cross_first(v, rows, sM, sScale, seqlen, blk, scale_log2, True)
-            else:
-                self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, False, True, rescale=False)
-            bars.scale1.arrive()
-            if blk + 1 < last:
-                warpgroup.wait_group(1)  # P0 V0_R
-            else:
-                warpgroup.wait_group(0)
-        bars.p0_read.arrive()
-        self.hand_back(v, loader, 0, 1)
-        if cutlass.const_expr(not tail):
-            warpgroup.wait_group(0)
-            self.hand_back(v, loader, 1, 1)
-            self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
-            warpgroup.wait_group(0)
-        else:
-            warpgroup.wait_group(0)
-            if blk + 1 < last:
-                self.hand_back(v, loader, 1, 1)  # K1's right half, read last by P1 V1_R (no next S)
-
-    @cute.jit
-    def wg1_p1_v1_cross_first(self, v, rows, sM, sScale, seqlen, blk, scale_log2, tail: cutlass.Constexpr):
-        """(Cross term first) This warpgroup's softmax of tile blk + 1 (P0 V0_R in flight on O_R), P1 into sP1,
-        then O_R += P1 V1_R."""
         scale1 = self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, tail, False, rescale=False)
         cute.autovec_copy(v.rPc, v.tPsP1)
         if cutlass.const_expr(tail):
@@ -596,6 +580,30 @@ class DenseSeesawKernel(SeesawConsumer):
             warpgroup.wait_group(0)
             rescale_o(v.acc_o, scale1)
         self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 1)
+        bars.scale1.arrive()
+
+        warpgroup.wait_group(1)  # P0 V0_R: sP0 and K0's right half are free
+        bars.p0_read.arrive()
+        self.hand_back(v, loader, 0, 1)
+        warpgroup.wait_group(0)
+        self.hand_back(v, loader, 1, 1)
+        if cutlass.const_expr(not tail):
+            self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
+            warpgroup.wait_group(0)
+
+    @cute.jit
+    def wg1_last_tile_cross_first(self, v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2):
+        """(Cross term first) A request's lone last tile blk: P0 V0_R, no P1 (its max and sums still
+        published)."""
+        bars.scale0.arrive_and_wait()
+        rescale_o(v.acc_o, self.row_values(rows, sScale, 0))
+        self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
+        self.issue_pv(v, v.mmas.pv_ss, v.tOrP0, v.tOrV_ss, 0)
+        self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, False, True, rescale=False)
+        bars.scale1.arrive()
+        warpgroup.wait_group(0)
+        bars.p0_read.arrive()
+        self.hand_back(v, loader, 0, 1)
 
     @cute.jit
     def wg0_next_s(self, v, loader):
