@@ -396,18 +396,24 @@ class DenseSeesawKernel(SeesawConsumer):
     @cute.jit
     def wg1_request(self, v, rows, sM, sScale, bars, loader, req, first, last, seqlen, scale_log2):
         """Warpgroup 1's tiles of one request (none when last <= first): whole pairs that end with S of the
-        pair after, then one or two tail steps (the last three tiles: a pair and a lone tile) through one copy
-        of the tail's code."""
-        pair = self.wg1_pair_cross_first if self.cross_term_first else self.wg1_pair
+        pair after, then one or two tail steps (the last two or three tiles: a masked pair, a lone last tile, or
+        both), each step's code in the kernel once."""
+        tiles, last_tile = ((self.wg1_tiles_cross_first, self.wg1_last_tile_cross_first) if self.cross_term_first
+                            else (self.wg1_tiles, self.wg1_last_tile))
         n = last - first
         if n >= 2:
             self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
             warpgroup.wait_group(0)
         pairs = cutlass.max(n - 2, 0) // 2
         for p in cutlass.range(pairs, unroll=1):
-            pair(v, rows, sM, sScale, bars, loader, req, first + 2 * p, last, seqlen, scale_log2, False)
+            tiles(v, rows, sM, sScale, bars, loader, first + 2 * p, seqlen, scale_log2, False)
+        # The tail's two cases are whole branches: a branch join between this warpgroup's P V issues would
+        # serialize them (FlashMLA's order) or cost registers (the cross term first).
         for blk in cutlass.range(first + 2 * pairs, last, 2, unroll=1):
-            pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, True)
+            if blk + 1 < last:
+                tiles(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2, True)
+            else:
+                last_tile(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2)
 
     # ----------------------------------------------------------- one tile pair
     # ``tail`` (compile time) False: tiles blk and blk + 1 are whole and S of the next pair is issued.  True: the
@@ -454,18 +460,6 @@ class DenseSeesawKernel(SeesawConsumer):
             rows.row_sum[i] = rows.row_sum[i] * scale1[i]
         rescale_o(v.acc_o, scale1)
         self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
-
-    @cute.jit
-    def wg1_pair(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, tail: cutlass.Constexpr):
-        """Tiles blk and blk + 1, warpgroup 1's side; leaves S of blk + 3 (``wg1_tiles``).  In the tail the two
-        cases are whole branches: a branch join between this warpgroup's P V issues would serialize them."""
-        if cutlass.const_expr(not tail):
-            self.wg1_tiles(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2, False)
-        else:
-            if blk + 1 < last:
-                self.wg1_tiles(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2, True)
-            else:
-                self.wg1_last_tile(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2)
 
     @cute.jit
     def wg1_tiles(self, v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2, tail: cutlass.Constexpr):
@@ -545,19 +539,6 @@ class DenseSeesawKernel(SeesawConsumer):
             rows.row_sum[i] = rows.row_sum[i] * scale1[i]
         rescale_o(v.acc_o, scale1)
         self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
-
-    @cute.jit
-    def wg1_pair_cross_first(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
-                             tail: cutlass.Constexpr):
-        """``wg1_pair`` in the cross-term-first order (``wg1_tiles_cross_first``).  In the tail the two cases are
-        whole branches (a join between P V issues costs registers)."""
-        if cutlass.const_expr(not tail):
-            self.wg1_tiles_cross_first(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2, False)
-        else:
-            if blk + 1 < last:
-                self.wg1_tiles_cross_first(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2, True)
-            else:
-                self.wg1_last_tile_cross_first(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2)
 
     @cute.jit
     def wg1_tiles_cross_first(self, v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2,
