@@ -20,9 +20,10 @@ import sys
 import tempfile
 import time
 
+DENSE = {"dense1": (1, 128), "dense2": (2, 64)}  # (s_q, h_q) of b 64, s_k 4096; causal when s_q > 1
 MODES = {
-    "dense1": "dense b 64, s_k 4096, s_q 1, h_q 128",
-    "dense2": "dense b 64, s_k 4096, s_q 2, h_q 64, causal",
+    **{mode: f"dense b 64, s_k 4096, s_q {s_q}, h_q {h_q}" + (", causal" if s_q > 1 else "")
+       for mode, (s_q, h_q) in DENSE.items()},
     "sparse": "sparse V32 b 64, s_k 8192, s_q 1, h_q 128, topk 2048",
 }
 
@@ -36,10 +37,10 @@ def _child(mode: str) -> dict:
 
     t2 = time.perf_counter()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    if mode.startswith("dense"):
+    if mode in DENSE:
         from bench_decode import make_inputs
 
-        s_q, h_q = (1, 128) if mode == "dense1" else (2, 64)
+        s_q, h_q = DENSE[mode]
         q, k_cache, block_table, seqlens = make_inputs(64, s_q, h_q, 4096)
         meta = mla_cute.get_mla_metadata()[0]
 
