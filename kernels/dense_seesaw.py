@@ -379,7 +379,8 @@ class DenseSeesawKernel(SeesawConsumer):
 
     @cute.jit
     def wg0_request(self, v, rows, sM, sScale, bars, loader, req, first, last, seqlen, scale_log2):
-        """Warpgroup 0's tiles of one request (none when last <= first)."""
+        """Warpgroup 0's tiles of one request (none when last <= first): whole pairs, then the last one or two
+        tiles through the same code with the tail's checks (one copy of it in the kernel)."""
         pair = self.wg0_pair_cross_first if self.cross_term_first else self.wg0_pair
         n = last - first
         if n >= 1:
@@ -387,41 +388,43 @@ class DenseSeesawKernel(SeesawConsumer):
             warpgroup.wait_group(0)
         pairs = cutlass.max(n - 1, 0) // 2
         for p in cutlass.range(pairs, unroll=1):
-            pair(v, rows, sM, sScale, bars, loader, req, first + 2 * p, last, seqlen, scale_log2, False, False)
+            pair(v, rows, sM, sScale, bars, loader, req, first + 2 * p, last, seqlen, scale_log2, False)
         blk = first + 2 * pairs
-        if blk + 1 < last:
-            pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, False, True)
-        elif blk < last:
-            pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, True, False)
+        if blk < last:
+            pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, True)
 
     @cute.jit
     def wg1_request(self, v, rows, sM, sScale, bars, loader, req, first, last, seqlen, scale_log2):
-        """Warpgroup 1's tiles of one request (none when last <= first)."""
-        pair = self.wg1_pair_cross_first if self.cross_term_first else self.wg1_pair
+        """Warpgroup 1's tiles of one request (none when last <= first): whole pairs that end with S of the
+        pair after, then one or two tail steps (the last two or three tiles: a masked pair, a lone last tile, or
+        both), each step's code in the kernel once."""
+        tiles, last_tile = ((self.wg1_tiles_cross_first, self.wg1_last_tile_cross_first) if self.cross_term_first
+                            else (self.wg1_tiles, self.wg1_last_tile))
         n = last - first
         if n >= 2:
             self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
             warpgroup.wait_group(0)
         pairs = cutlass.max(n - 2, 0) // 2
         for p in cutlass.range(pairs, unroll=1):
-            pair(v, rows, sM, sScale, bars, loader, req, first + 2 * p, last, seqlen, scale_log2, False, False, False)
-        blk = first + 2 * pairs
-        if blk + 2 < last:
-            pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, False, False, True)
-            pair(v, rows, sM, sScale, bars, loader, req, blk + 2, last, seqlen, scale_log2, True, False, False)
-        elif blk + 1 < last:
-            pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, False, True, False)
-        elif blk < last:
-            pair(v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, True, False, False)
+            tiles(v, rows, sM, sScale, bars, loader, first + 2 * p, seqlen, scale_log2, False)
+        # The tail's two cases are whole branches: a branch join between this warpgroup's P V issues would
+        # serialize them (FlashMLA's order) or cost registers (the cross term first).
+        for blk in cutlass.range(first + 2 * pairs, last, 2, unroll=1):
+            if blk + 1 < last:
+                tiles(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2, True)
+            else:
+                last_tile(v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2)
 
     # ----------------------------------------------------------- one tile pair
+    # ``tail`` (compile time) False: tiles blk and blk + 1 are whole and S of the next pair is issued.  True: the
+    # request's last tiles, masked; tile blk + 1 may not exist (``blk + 1 < last`` decides at run time), zero_tail_v
+    # zeroes V rows past the cache length (a no-op on a whole tile), and no further S is issued.
     @cute.jit
-    def wg0_pair(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
-                 blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr):
+    def wg0_pair(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2, tail: cutlass.Constexpr):
         """Tiles blk (buffer 0) and blk + 1 (buffer 1), warpgroup 0's side; leaves S of blk + 2."""
-        self.softmax_wg0(v, rows, sM, sScale, seqlen, blk, scale_log2, blk0_last or blk1_last)
+        self.softmax_wg0(v, rows, sM, sScale, seqlen, blk, scale_log2, tail)
         bars.scale0.arrive()
-        if cutlass.const_expr(blk0_last):
+        if cutlass.const_expr(tail):
             self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
         self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 0)
         warpgroup.wait_group(0)
@@ -436,59 +439,74 @@ class DenseSeesawKernel(SeesawConsumer):
         cute.arch.fence_view_async_shared()
         bars.p0_ready.arrive()
 
-        if cutlass.const_expr(not blk0_last):
-            if cutlass.const_expr(blk1_last):
-                self.zero_tail_v(v, 1, seqlen - (blk + 1) * BLOCK_N)
-            bars.p1_issued.arrive_and_wait()
-            for i in cutlass.range_constexpr(2):
-                rows.row_sum[i] = rows.row_sum[i] * scale1[i]
-            rescale_o(v.acc_o, scale1)
-            self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
-        if cutlass.const_expr(not blk0_last and not blk1_last):
+        if cutlass.const_expr(not tail):
+            self.wg0_p1_v1(v, rows, bars, scale1)
             self.wg0_next_s(v, loader)
-        warpgroup.wait_group(0)
-        if cutlass.const_expr(not blk0_last and blk1_last):
-            self.hand_back(v, loader, 1, 0)  # K1's left half, read last by P1 V1_L (no next S)
+            warpgroup.wait_group(0)
+        else:
+            if blk + 1 < last:
+                self.zero_tail_v(v, 1, seqlen - (blk + 1) * BLOCK_N)
+                self.wg0_p1_v1(v, rows, bars, scale1)
+                warpgroup.wait_group(0)
+                self.hand_back(v, loader, 1, 0)  # K1's left half, read last by P1 V1_L (no next S)
+            else:
+                warpgroup.wait_group(0)
 
     @cute.jit
-    def wg1_pair(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
-                 blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr, blk2_last: cutlass.Constexpr):
-        """Tiles blk and blk + 1, warpgroup 1's side; leaves S of blk + 3."""
+    def wg0_p1_v1(self, v, rows, bars, scale1):
+        """(FlashMLA's order) Once warpgroup 1 has written sP1: O_L and the sums to m1, then O_L += P1 V1_L."""
+        bars.p1_issued.arrive_and_wait()
+        for i in cutlass.range_constexpr(2):
+            rows.row_sum[i] = rows.row_sum[i] * scale1[i]
+        rescale_o(v.acc_o, scale1)
+        self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
+
+    @cute.jit
+    def wg1_tiles(self, v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2, tail: cutlass.Constexpr):
+        """(FlashMLA's order) Both tiles of the pair; ``tail``: masked, V rows past the length zeroed, no next S."""
         bars.scale0.arrive_and_wait()
-        self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, blk1_last or blk2_last, blk0_last)
+        self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, tail, False)
         bars.scale1.arrive()
-        if cutlass.const_expr(not blk0_last):
-            cute.autovec_copy(v.rPc, v.tPsP1)
-            if cutlass.const_expr(blk1_last):
-                self.zero_tail_v(v, 1, seqlen - (blk + 1) * BLOCK_N)
-            cute.arch.fence_view_async_shared()
-            self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 1)
+        cute.autovec_copy(v.rPc, v.tPsP1)
+        if cutlass.const_expr(tail):
+            self.zero_tail_v(v, 1, seqlen - (blk + 1) * BLOCK_N)
+        cute.arch.fence_view_async_shared()
+        self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 1)
 
         bars.p0_ready.arrive_and_wait()
-        if cutlass.const_expr(blk0_last):
+        if cutlass.const_expr(tail):
             self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
         self.issue_pv(v, v.mmas.pv_ss, v.tOrP0, v.tOrV_ss, 0)
-        if cutlass.const_expr(not blk0_last):
-            bars.p1_issued.arrive()
+        bars.p1_issued.arrive()
         # P1 V1_R was committed before P0 V0_R: K1's right half frees first.
-        if cutlass.const_expr(not blk0_last):
-            warpgroup.wait_group(1)
-            self.hand_back(v, loader, 1, 1)
+        warpgroup.wait_group(1)
+        self.hand_back(v, loader, 1, 1)
         warpgroup.wait_group(0)
         self.hand_back(v, loader, 0, 1)
-        if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
+        if cutlass.const_expr(not tail):
             self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
-        warpgroup.wait_group(0)
+            warpgroup.wait_group(0)
 
-    # ------------------------------------------- one tile pair, the cross term first
+    @cute.jit
+    def wg1_last_tile(self, v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2):
+        """(FlashMLA's order) A request's lone last tile blk: no P1 (its max and sums still published)."""
+        bars.scale0.arrive_and_wait()
+        self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, False, True)
+        bars.scale1.arrive()
+        bars.p0_ready.arrive_and_wait()
+        self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
+        self.issue_pv(v, v.mmas.pv_ss, v.tOrP0, v.tOrV_ss, 0)
+        warpgroup.wait_group(0)
+        self.hand_back(v, loader, 0, 1)
+
     @cute.jit
     def wg0_pair_cross_first(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
-                             blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr):
+                             tail: cutlass.Constexpr):
         """``wg0_pair`` in the cross-term-first order: P0 leaves at m0, before P0 V0_L, and O_L moves to
         m1 before P1 V1_L."""
-        self.softmax_wg0(v, rows, sM, sScale, seqlen, blk, scale_log2, blk0_last or blk1_last)
+        self.softmax_wg0(v, rows, sM, sScale, seqlen, blk, scale_log2, tail)
         cute.autovec_copy(v.rPc, v.tPsP0)
-        if cutlass.const_expr(blk0_last):
+        if cutlass.const_expr(tail):
             self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
         cute.arch.fence_view_async_shared()
         bars.scale0.arrive()
@@ -497,60 +515,76 @@ class DenseSeesawKernel(SeesawConsumer):
         self.hand_back(v, loader, 0, 0)
 
         bars.scale1.arrive_and_wait()
-        if cutlass.const_expr(not blk0_last):
-            if cutlass.const_expr(blk1_last):
-                self.zero_tail_v(v, 1, seqlen - (blk + 1) * BLOCK_N)
-            scale1 = cute.make_rmem_tensor((2,), cutlass.Float32)
-            for i in cutlass.range_constexpr(2):
-                scale1[i] = sScale[rows.row0 + 8 * i, 1]
-                rows.row_sum[i] = rows.row_sum[i] * scale1[i]
-            rescale_o(v.acc_o, scale1)
-            self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
-        if cutlass.const_expr(not blk0_last and not blk1_last):
+        if cutlass.const_expr(not tail):
+            self.wg0_p1_v1_cross_first(v, rows, sScale)
             self.wg0_next_s(v, loader)
-        # Warpgroup 1's P0 V0_R has read sP0 before the next pair writes it.
-        bars.p0_read.arrive_and_wait()
-        warpgroup.wait_group(0)
-        if cutlass.const_expr(not blk0_last and blk1_last):
-            self.hand_back(v, loader, 1, 0)  # K1's left half, read last by P1 V1_L (no next S)
+            # Warpgroup 1's P0 V0_R has read sP0 before the next pair writes it.
+            bars.p0_read.arrive_and_wait()
+            warpgroup.wait_group(0)
+        else:
+            if blk + 1 < last:
+                self.zero_tail_v(v, 1, seqlen - (blk + 1) * BLOCK_N)
+                self.wg0_p1_v1_cross_first(v, rows, sScale)
+            bars.p0_read.arrive_and_wait()
+            warpgroup.wait_group(0)
+            if blk + 1 < last:
+                self.hand_back(v, loader, 1, 0)  # K1's left half, read last by P1 V1_L (no next S)
 
     @cute.jit
-    def wg1_pair_cross_first(self, v, rows, sM, sScale, bars, loader, req, blk, last, seqlen, scale_log2,
-                             blk0_last: cutlass.Constexpr, blk1_last: cutlass.Constexpr, blk2_last: cutlass.Constexpr):
-        """``wg1_pair`` in the cross-term-first order: O_R moves to m0 and P0 V0_R is issued before this
-        warpgroup's softmax; P1 V1_R queues behind it."""
+    def wg0_p1_v1_cross_first(self, v, rows, sScale):
+        """(Cross term first) O_L and the sums to m1, then O_L += P1 V1_L."""
+        scale1 = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for i in cutlass.range_constexpr(2):
+            scale1[i] = sScale[rows.row0 + 8 * i, 1]
+            rows.row_sum[i] = rows.row_sum[i] * scale1[i]
+        rescale_o(v.acc_o, scale1)
+        self.issue_pv(v, v.mmas.pv_ss, v.tOrP1, v.tOrV_ss, 1)
+
+    @cute.jit
+    def wg1_tiles_cross_first(self, v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2,
+                              tail: cutlass.Constexpr):
+        """(Cross term first) Both tiles of the pair: O_R moves to m0 and P0 V0_R is issued before this
+        warpgroup's softmax; P1 V1_R queues behind it.  ``tail``: masked, V rows past the length zeroed, no
+        next S."""
         bars.scale0.arrive_and_wait()
         rescale_o(v.acc_o, self.row_values(rows, sScale, 0))
-        if cutlass.const_expr(blk0_last):
+        if cutlass.const_expr(tail):
             self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
         self.issue_pv(v, v.mmas.pv_ss, v.tOrP0, v.tOrV_ss, 0)
-        scale1 = self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, blk1_last or blk2_last, blk0_last,
-                                  rescale=False)
-        if cutlass.const_expr(not blk0_last):
-            cute.autovec_copy(v.rPc, v.tPsP1)
-            if cutlass.const_expr(blk1_last):
-                self.zero_tail_v(v, 1, seqlen - (blk + 1) * BLOCK_N)
-            cute.arch.fence_view_async_shared()
-            # Only a warp whose rows' max moved (rare past a request's first tiles) waits for P0 V0_R.
-            if cute.arch.vote_any_sync(cutlass.min(scale1[0], scale1[1]) != 1.0):
-                warpgroup.wait_group(0)
-                rescale_o(v.acc_o, scale1)
-            self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 1)
+        scale1 = self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, tail, False, rescale=False)
+        cute.autovec_copy(v.rPc, v.tPsP1)
+        if cutlass.const_expr(tail):
+            self.zero_tail_v(v, 1, seqlen - (blk + 1) * BLOCK_N)
+        cute.arch.fence_view_async_shared()
+        # Only a warp whose rows' max moved (rare past a request's first tiles) waits for P0 V0_R.
+        if cute.arch.vote_any_sync(cutlass.min(scale1[0], scale1[1]) != 1.0):
+            warpgroup.wait_group(0)
+            rescale_o(v.acc_o, scale1)
+        self.issue_pv(v, v.mmas.pv_rs, v.rPa, v.tOrV_rs, 1)
         bars.scale1.arrive()
 
-        if cutlass.const_expr(not blk0_last):
-            warpgroup.wait_group(1)  # P0 V0_R: sP0 and K0's right half are free
-        else:
-            warpgroup.wait_group(0)
+        warpgroup.wait_group(1)  # P0 V0_R: sP0 and K0's right half are free
         bars.p0_read.arrive()
         self.hand_back(v, loader, 0, 1)
-        if cutlass.const_expr(not blk0_last and not blk1_last and not blk2_last):
-            warpgroup.wait_group(0)
-            self.hand_back(v, loader, 1, 1)
-            self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
         warpgroup.wait_group(0)
-        if cutlass.const_expr(not blk0_last and (blk1_last or blk2_last)):
-            self.hand_back(v, loader, 1, 1)  # K1's right half, read last by P1 V1_R (no next S)
+        self.hand_back(v, loader, 1, 1)
+        if cutlass.const_expr(not tail):
+            self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
+            warpgroup.wait_group(0)
+
+    @cute.jit
+    def wg1_last_tile_cross_first(self, v, rows, sM, sScale, bars, loader, blk, seqlen, scale_log2):
+        """(Cross term first) A request's lone last tile blk: P0 V0_R, no P1 (its max and sums still
+        published)."""
+        bars.scale0.arrive_and_wait()
+        rescale_o(v.acc_o, self.row_values(rows, sScale, 0))
+        self.zero_tail_v(v, 0, seqlen - blk * BLOCK_N)
+        self.issue_pv(v, v.mmas.pv_ss, v.tOrP0, v.tOrV_ss, 0)
+        self.softmax_wg1(v, rows, sM, sScale, seqlen, blk + 1, scale_log2, False, True, rescale=False)
+        bars.scale1.arrive()
+        warpgroup.wait_group(0)
+        bars.p0_read.arrive()
+        self.hand_back(v, loader, 0, 1)
 
     @cute.jit
     def wg0_next_s(self, v, loader):
