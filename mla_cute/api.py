@@ -105,6 +105,8 @@ class FlashMLASchedMeta:
     _extra_lengths_ref: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
     _extra_lengths_key: Optional[tuple] = dataclasses.field(default=None, repr=False)
     _extra_lengths_copy: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
+    # Whether the first call ran inside a CUDA graph capture (its replays then plan the lengths they find).
+    _in_capture: bool = dataclasses.field(default=False, repr=False)
     # Backend-private state (workspaces, launch plans), keyed by the backend.
     _state: dict = dataclasses.field(default_factory=dict, repr=False)
     # The dense cute plan once a call has passed every check; later calls with the same
@@ -177,11 +179,13 @@ def _check_lengths(meta: FlashMLASchedMeta, lengths: Optional[torch.Tensor], nam
         setattr(meta, attr + "_key", _lengths_key(lengths))
 
 
-def _bind_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, lengths: Optional[torch.Tensor],
-                   extra_lengths: Optional[torch.Tensor] = None) -> None:
-    """Record what an empty metadata object is computed for (after the call's checks passed)."""
+def _bind_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, q: torch.Tensor,
+                   lengths: Optional[torch.Tensor], extra_lengths: Optional[torch.Tensor] = None) -> None:
+    """Record what an empty metadata object is computed for (after the call's checks passed), and whether the
+    call runs inside a CUDA graph capture (``q``'s device tells whether to ask)."""
     meta.config = config
     meta.have_initialized = True
+    meta._in_capture = q.is_cuda and torch.cuda.is_current_stream_capturing()
     for attr, given in (("_lengths", lengths), ("_extra_lengths", extra_lengths)):
         if given is not None:
             setattr(meta, attr + "_ref", given)
@@ -268,6 +272,14 @@ def flash_mla_with_kvcache(
     """
     if type(causal) is not bool:  # a numpy bool becomes a bool; anything else is a TypeError (before any work)
         causal = V.check_causal(causal)
+    if (isinstance(tile_scheduler_metadata, FlashMLASchedMeta) and tile_scheduler_metadata.have_initialized
+            and not tile_scheduler_metadata._in_capture and isinstance(q, torch.Tensor) and q.is_cuda
+            and torch.cuda.is_current_stream_capturing()):
+        raise ValueError(
+            "tile_scheduler_metadata was computed outside this CUDA graph capture, for the lengths of that call; "
+            "its replays would reuse that plan whatever lengths they find: call get_mla_metadata() inside the "
+            "capture and pass the new object"
+        )
     if (num_splits is None and extra_k_cache is None and extra_indices_in_kvcache is None
             and extra_topk_length is None and type(tile_scheduler_metadata) is FlashMLASchedMeta
             and tile_scheduler_metadata._replay is not None):
@@ -312,7 +324,7 @@ def flash_mla_with_kvcache(
         if first:
             if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                 host_lengths = V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
-            _bind_metadata(tile_scheduler_metadata, config, cache_seqlens)
+            _bind_metadata(tile_scheduler_metadata, config, q, cache_seqlens)
         masked = causal and q.shape[1] > 1  # the mask (causal is ignored when s_q == 1)
         with _unbind_on_error(tile_scheduler_metadata, first):
             if kind == "reference":
@@ -352,7 +364,7 @@ def flash_mla_with_kvcache(
     )
     first = _check_metadata(tile_scheduler_metadata, config, topk_length, extra_topk_length)
     if first:
-        _bind_metadata(tile_scheduler_metadata, config, topk_length, extra_topk_length)
+        _bind_metadata(tile_scheduler_metadata, config, q, topk_length, extra_topk_length)
     with _unbind_on_error(tile_scheduler_metadata, first):
         if kind == "reference":
             if first:

@@ -121,6 +121,30 @@ def test_sparse_reuse_replay_and_cuda_graph_in_inference_mode():
             _check((out, lse), _sparse_ref(case))
 
 
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_metadata_computed_outside_a_capture_is_refused_inside_one(kind):
+    """A metadata object planned by an eager call holds that call's plan: a graph captured with it would replay the
+    plan whatever lengths it finds, so the call inside the capture is refused before any launch, and the object
+    still serves eager calls after."""
+    import mla_cute
+
+    if kind == "dense":
+        case = _inference_copy(make_dense_case(4, 1, 600, 64, 1, varlen=True))
+        call, ref = (lambda meta: _dense(case, meta, False)), _dense_ref(case, False)
+    else:
+        case = _inference_copy(make_sparse_case(4, 1, 64, 1024, 512, 64, topk_length=[512, 3, 0, 200], seed=8))
+        call, ref = (lambda meta: _sparse(case, meta)), _sparse_ref(case)
+    with torch.inference_mode():
+        meta = mla_cute.get_mla_metadata()[0]
+        _check(call(meta), ref)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(ValueError, match="computed outside this CUDA graph capture"):
+            with torch.cuda.graph(graph):
+                call(meta)
+        _check(call(meta), ref)
+
+
 # ------------------------------------------------------ values no check sees
 def _replay_only(monkeypatch):
     """Fail if a call takes the checked path: the adversarial values below must reach the kernels."""
