@@ -179,13 +179,13 @@ def _check_lengths(meta: FlashMLASchedMeta, lengths: Optional[torch.Tensor], nam
         setattr(meta, attr + "_key", _lengths_key(lengths))
 
 
-def _bind_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, q: torch.Tensor,
+def _bind_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, capturing: bool,
                    lengths: Optional[torch.Tensor], extra_lengths: Optional[torch.Tensor] = None) -> None:
     """Record what an empty metadata object is computed for (after the call's checks passed), and whether the
-    call runs inside a CUDA graph capture (``q``'s device tells whether to ask)."""
+    call runs inside a CUDA graph capture."""
     meta.config = config
     meta.have_initialized = True
-    meta._in_capture = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    meta._in_capture = capturing
     for attr, given in (("_lengths", lengths), ("_extra_lengths", extra_lengths)):
         if given is not None:
             setattr(meta, attr + "_ref", given)
@@ -272,9 +272,10 @@ def flash_mla_with_kvcache(
     """
     if type(causal) is not bool:  # a numpy bool becomes a bool; anything else is a TypeError (before any work)
         causal = V.check_causal(causal)
-    if (isinstance(tile_scheduler_metadata, FlashMLASchedMeta) and tile_scheduler_metadata.have_initialized
-            and not tile_scheduler_metadata._in_capture and isinstance(q, torch.Tensor) and q.is_cuda
-            and torch.cuda.is_current_stream_capturing()):
+    # Asked once a call: the one query of the capture state on the replay path, reused by the first call's checks.
+    capturing = isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if (capturing and isinstance(tile_scheduler_metadata, FlashMLASchedMeta)
+            and tile_scheduler_metadata.have_initialized and not tile_scheduler_metadata._in_capture):
         raise ValueError(
             "tile_scheduler_metadata was computed outside this CUDA graph capture, for the lengths of that call; "
             "its replays would reuse that plan whatever lengths they find: call get_mla_metadata() inside the "
@@ -322,9 +323,9 @@ def flash_mla_with_kvcache(
         first = _check_metadata(tile_scheduler_metadata, config, cache_seqlens)
         host_lengths = None  # read by the value checks; not inside a CUDA graph capture
         if first:
-            if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if not capturing:
                 host_lengths = V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
-            _bind_metadata(tile_scheduler_metadata, config, q, cache_seqlens)
+            _bind_metadata(tile_scheduler_metadata, config, capturing, cache_seqlens)
         masked = causal and q.shape[1] > 1  # the mask (causal is ignored when s_q == 1)
         with _unbind_on_error(tile_scheduler_metadata, first):
             if kind == "reference":
@@ -364,7 +365,7 @@ def flash_mla_with_kvcache(
     )
     first = _check_metadata(tile_scheduler_metadata, config, topk_length, extra_topk_length)
     if first:
-        _bind_metadata(tile_scheduler_metadata, config, q, topk_length, extra_topk_length)
+        _bind_metadata(tile_scheduler_metadata, config, capturing, topk_length, extra_topk_length)
     with _unbind_on_error(tile_scheduler_metadata, first):
         if kind == "reference":
             if first:
