@@ -281,16 +281,17 @@ def flash_mla_with_kvcache(
             "its replays would reuse that plan whatever lengths they find: call get_mla_metadata() inside the "
             "capture and pass the new object"
         )
-    if (num_splits is None and extra_k_cache is None and extra_indices_in_kvcache is None
-            and extra_topk_length is None and type(tile_scheduler_metadata) is FlashMLASchedMeta
+    if (num_splits is None and type(tile_scheduler_metadata) is FlashMLASchedMeta
             and tile_scheduler_metadata._replay is not None):
-        if indices is None and attn_sink is None and topk_length is None and kv_format is None:
+        extra = (extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+        if (indices is None and attn_sink is None and topk_length is None and kv_format is None
+                and extra_k_cache is None and extra_indices_in_kvcache is None and extra_topk_length is None):
             done = _replay_dense(tile_scheduler_metadata, q, k_cache, block_table, cache_seqlens, head_dim_v,
                                  softmax_scale, causal, is_fp8_kvcache, schedule, backend)
         else:
             done = _replay_sparse(tile_scheduler_metadata, q, k_cache, block_table, cache_seqlens, head_dim_v,
                                   softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length,
-                                  kv_format, schedule, backend)
+                                  kv_format, schedule, backend, extra)
         if done is not None:
             return done
     if num_splits is not None:
@@ -378,11 +379,9 @@ def flash_mla_with_kvcache(
             q, k_cache, indices, topk_length, attn_sink, softmax_scale, tile_scheduler_metadata, first, sched, fmt,
             extra,
         )
-        if given:  # no replay for two caches: every call takes the checked path
-            return out, lse
     tile_scheduler_metadata._replay = cute.replay_sparse_plan(
         tile_scheduler_metadata, q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
-        causal, is_fp8_kvcache, kv_format)
+        causal, is_fp8_kvcache, kv_format, (extra_k_cache, extra_indices_in_kvcache, extra_topk_length))
     return out, lse
 
 
@@ -412,26 +411,31 @@ def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, soft
 
 
 def _replay_sparse(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
-                   indices, attn_sink, topk_length, kv_format, schedule, backend):
+                   indices, attn_sink, topk_length, kv_format, schedule, backend, extra):
     """The launch of a sparse decode call whose every checked fact matches the last call that passed
-    all checks (as ``_replay_dense``: None sends the call down the checked path)."""
+    all checks (as ``_replay_dense``: None sends the call down the checked path); ``extra``: (extra_k_cache,
+    extra_indices_in_kvcache, extra_topk_length) as given."""
     plan = meta._replay
-    # topk_length (or its absence) as the metadata was checked against: the same tensor, storage,
-    # shape and version.
-    if not isinstance(plan, cute.SparsePlan) or topk_length is not meta._lengths_ref or type(causal) is not bool:
+    extra_lengths = extra[2]
+    # topk_length and extra_topk_length (or their absence) as the metadata was checked against: the same
+    # tensors, storage, shape and version.
+    if (not isinstance(plan, cute.SparsePlan) or topk_length is not meta._lengths_ref
+            or extra_lengths is not meta._extra_lengths_ref or type(causal) is not bool):
         return None
     try:
         facts = cute.sparse_call_facts(q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens,
-                                       head_dim_v, causal, is_fp8_kvcache, kv_format)
+                                       head_dim_v, causal, is_fp8_kvcache, kv_format, extra)
     except (AttributeError, TypeError):  # not tensors: the full path names the argument
         return None
     if (facts != plan.facts or (topk_length is not None and _lengths_key(topk_length) != meta._lengths_key)
+            or (extra_lengths is not None and _lengths_key(extra_lengths) != meta._extra_lengths_key)
             or not _replay_schedule_and_backend(plan, schedule, SparseDecodeSchedule, backend)):
         return None
     scale = _replay_scale(softmax_scale, q.shape[-1] ** -0.5)  # equal facts: q is the checked call's 4-d tensor
     if scale is None:
         return None
-    return cute.launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, scale, meta)
+    return cute.launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, scale, meta,
+                              plan.extra_args(extra))
 
 
 def _replay_scale(softmax_scale, default: float) -> Optional[float]:

@@ -1025,6 +1025,64 @@ def test_sparse_replay_sees_lengths_written_in_place_schedules_and_the_backend(s
         _sparse_call(q, k_cache, indices, meta, topk_length=lengths)
 
 
+def _two_cache_inputs(b=3, s_q=2, h_q=64):
+    """DeepSeek V4's call: topk 128 of a page-256 V4 cache and 64 of a page-2 V4 extra cache."""
+    from mla_cute import quantize_kv_cache
+
+    q = torch.randn(b, s_q, h_q, 512).to(torch.bfloat16)
+    k_cache = quantize_kv_cache(torch.randn(2, 256, 1, 512).to(torch.bfloat16), kv_format="V4")
+    extra_cache = quantize_kv_cache(torch.randn(64, 2, 1, 512).to(torch.bfloat16), kv_format="V4")
+    indices = torch.randint(-1, 512, (b, s_q, 128), dtype=torch.int32)
+    extra = dict(extra_k_cache=extra_cache, extra_indices_in_kvcache=torch.randint(-1, 128, (b, s_q, 64),
+                                                                                  dtype=torch.int32),
+                 attn_sink=torch.randn(h_q))
+    return q, k_cache, indices, extra
+
+
+@pytest.mark.parametrize("with_extra_lengths", [False, True])
+def test_two_cache_replay_skips_the_checks_of_an_identical_call(sparse_api_on_cute, with_extra_lengths):
+    from mla_cute.api import get_mla_metadata
+
+    q, k_cache, indices, kw = _two_cache_inputs()
+    if with_extra_lengths:
+        kw["extra_topk_length"] = torch.tensor([0, 33, 64], dtype=torch.int32)
+    meta = get_mla_metadata()[0]
+    _sparse_call(q, k_cache, indices, meta, **kw)
+    q2, extra2 = torch.randn_like(q), torch.randint_like(kw["extra_indices_in_kvcache"], -1, 128)
+    out, lse = _sparse_call(q2, k_cache, indices, meta, **{**kw, "extra_indices_in_kvcache": extra2})
+    assert sparse_api_on_cute["checks"] == 1, "the second call replays"
+    first, second = sparse_api_on_cute["steps"]
+    assert second[0] is q2 and second[5] is extra2 and second[9] is out and second[10] is lse
+    assert torch.equal(first[4], second[4]) and second[4].dtype == torch.int32  # the extra cache's words
+    if with_extra_lengths:
+        assert second[6] is kw["extra_topk_length"]
+    else:  # the full lengths the plan made for a call without them
+        assert second[6] is first[6] and torch.equal(second[6], torch.full((3,), 64, dtype=torch.int32))
+    assert second[13] is kw["attn_sink"]
+
+
+def test_two_cache_replay_takes_the_checked_path_when_an_extra_fact_differs(sparse_api_on_cute):
+    from mla_cute.api import get_mla_metadata
+
+    q, k_cache, indices, kw = _two_cache_inputs()
+    kw["extra_topk_length"] = lengths = torch.tensor([0, 33, 64], dtype=torch.int32)
+    meta = get_mla_metadata()[0]
+    _sparse_call(q, k_cache, indices, meta, **kw)
+    bigger = torch.cat([kw["extra_k_cache"], kw["extra_k_cache"][:1]])
+    _sparse_call(q, k_cache, indices, meta, **{**kw, "extra_k_cache": bigger})
+    assert sparse_api_on_cute["checks"] == 2, "another extra cache shape is checked"
+    _sparse_call(q, k_cache, indices, meta, **{**kw, "extra_k_cache": bigger})
+    assert sparse_api_on_cute["checks"] == 2, "and replays from then on"
+    lengths[1] += 1  # written in place: the checked path reads the values
+    with pytest.raises(ValueError, match="other extra_topk_length values"):
+        _sparse_call(q, k_cache, indices, meta, **{**kw, "extra_k_cache": bigger})
+    lengths[1] -= 1
+    with pytest.raises(ValueError, match="extra_topk_length must be given on every call"):
+        _sparse_call(q, k_cache, indices, meta, **{**kw, "extra_k_cache": bigger, "extra_topk_length": None})
+    with pytest.raises(ValueError, match="another configuration"):  # the extra cache left out
+        _sparse_call(q, k_cache, indices, meta, attn_sink=kw["attn_sink"])
+
+
 # ------------------------------------------------------ inference engines' modes
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
 def test_dense_call_reuse_and_replay_under_inference_mode(api_on_cute, mode):

@@ -292,7 +292,7 @@ class SparsePlan:
     holds the lengths the kernel reads for a cache whose lengths the call leaves out (its topk each)."""
 
     __slots__ = ("schedule", "config", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype", "facts",
-                 "kv_format", "full")
+                 "kv_format", "extra_format", "full")
 
     def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta,
                  kv_format: str = "V32", extra=None):
@@ -301,6 +301,7 @@ class SparsePlan:
         b, s_q, h_q, _ = q.shape
         self.schedule, self.b, self.s_q, self.h_q, self.has_sink, self.dtype = schedule, b, s_q, h_q, has_sink, q.dtype
         self.facts, self.kv_format, self.full = None, kv_format, None
+        self.extra_format = extra[1] if extra is not None else None
         # Without topk_length every request has topk tokens: the kernel is built for that and loads no length
         # (the first call's choice holds for the metadata's later calls, as for attn_sink).  The step with the
         # combine is loaded in any case, for a CUDA graph captured later.  With an extra cache a request's
@@ -325,6 +326,13 @@ class SparsePlan:
         partials = q.dtype if call.step.split.partials_16bit else torch.float32
         self.o_accum, self.lse_accum = _split_workspace(
             meta, lengths.clamp(1, total), total, call.parts, call.scheduler, b, 1, s_q * h_q, q.device, partials)
+
+    def extra_args(self, extra):
+        """``launch_sparse``'s ``extra`` from the call's (extra_k_cache, extra_indices_in_kvcache,
+        extra_topk_length): None for a plan without an extra cache."""
+        if self.extra_format is None:
+            return None
+        return extra[0], self.extra_format, extra[1], extra[2]
 
     def lengths(self, topk_length, extra_topk_length):
         """The two caches' lengths the extra-cache kernel reads (the full ones where the call gives none)."""
@@ -381,23 +389,25 @@ def _tensor_facts(t) -> Optional[tuple]:
 
 
 def sparse_call_facts(q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
-                      causal, is_fp8_kvcache, kv_format) -> tuple:
-    """Everything the checks of a sparse call read, except topk_length's identity and values (the
-    metadata tracks those); ``kv_format`` as given."""
+                      causal, is_fp8_kvcache, kv_format, extra) -> tuple:
+    """Everything the checks of a sparse call read, except the identity and values of topk_length and
+    extra_topk_length (the metadata tracks those); ``kv_format`` as given; ``extra``: (extra_k_cache,
+    extra_indices_in_kvcache, extra_topk_length)."""
     return (
         _tensor_facts(q), _tensor_facts(k_cache), _tensor_facts(indices), _tensor_facts(topk_length),
         _tensor_facts(attn_sink), _tensor_facts(block_table), _tensor_facts(cache_seqlens),
+        _tensor_facts(extra[0]), _tensor_facts(extra[1]), _tensor_facts(extra[2]),
         head_dim_v, causal, is_fp8_kvcache, type(kv_format), kv_format,
     )
 
 
 def replay_sparse_plan(meta, q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
-                       causal, is_fp8_kvcache, kv_format) -> SparsePlan:
+                       causal, is_fp8_kvcache, kv_format, extra) -> SparsePlan:
     """Mark the metadata's sparse plan replayable for calls with the facts of this one, which just
-    passed every check in ``sparse_decode``."""
+    passed every check in ``sparse_decode`` (``extra`` as ``sparse_call_facts`` takes it)."""
     plan = meta._state["sparse"]
     plan.facts = sparse_call_facts(q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens,
-                                   head_dim_v, causal, is_fp8_kvcache, kv_format)
+                                   head_dim_v, causal, is_fp8_kvcache, kv_format, extra)
     return plan
 
 

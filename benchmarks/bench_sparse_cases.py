@@ -1,0 +1,214 @@
+"""Sparse decode on FlashMLA's own performance cases, side by side with FlashMLA's SM90 kernel (``flash_mla``, every
+call ``use_legacy=True``), eager and inside a CUDA graph, plus the host time of a call.
+
+The rows are the ``performance_cases`` of FlashMLA's sparse decode test: DeepSeek V3.2 (h_q 128, s_q 2, topk 2048,
+the 656-byte cache on page 64, b 2 / 64 / 74 / 128), DeepSeek V4's four production configurations (d_qk 512, the
+584-byte cache: topk 128 on a page-256 cache plus an extra window cache of topk 512 or 1024 on page 64 or page 2,
+with or without ``extra_topk_length``; h_q 64 / 128; b 2 to 256) and the peak cases (b 148, topk 16384, d_qk 512
+and 576, h_q 64 / 128).  Every row has s_q 2, an ``attn_sink`` (random, some heads +inf or -inf) and varlen
+requests (lengths drawn around s_k, at least s_q), as there.
+
+The inputs are made here: random bf16 rows quantized by ``mla_cute.quantize_kv_cache`` (the bytes FlashMLA's
+quantizer writes), each request's blocks placed at random, topk distinct random tokens per query out of its
+length; the same tensors go to both.  Outputs are compared first (relative Frobenius error of out over the finite
+entries, max |lse difference|).
+
+Modes:
+  eager  the whole call with metadata reused (as FlashMLA's test and an engine without graphs call it): after 0.5 s
+         of GPU work, ``--rounds`` rounds each time FlashMLA and ours once (order rotated) by the median of
+         triton.testing.do_bench(warmup=10, rep=50); us = the median over the rounds.
+  graph  the call captured in a CUDA graph with its metadata made inside the capture (the scheduler kernel is in
+         the graph, as an engine captures a step), replays timed the same way.
+  host   CPU time (time.process_time) per call over 1000 back-to-back eager calls on the b = 2 rows, the GPU
+         drained before and after; FlashMLA's and ours.
+
+    python benchmarks/bench_sparse_cases.py [--configs V32,CONFIG1,...,PEAK] [--batches 2,64] [--modes eager,graph,host]
+                                           [--rounds 3] [--out rows.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+
+import torch
+
+import flashmla_side
+import mla_cute
+from bench_decode import bench, warm_gpu
+
+REPS = dict(warmup=10, rep=50)
+HOST_CALLS = 1000
+PRODUCTION_BATCHES = (2, 64, 74, 128, 148, 256)
+# name: (h_q, d_qk, s_k, topk, page, extra (s_k, topk, page) or None, extra_topk_length, batches)
+CONFIGS = {
+    "V32": (128, 576, 32768, 2048, 64, None, False, (2, 64, 74, 128)),
+    "CONFIG1": (64, 512, 16384, 128, 256, (16384, 512, 64), False, PRODUCTION_BATCHES),
+    "CONFIG2": (128, 512, 16384, 128, 256, (16384, 1024, 64), False, PRODUCTION_BATCHES),
+    "CONFIG3": (64, 512, 16384, 128, 256, (16384, 1024, 2), True, PRODUCTION_BATCHES),
+    "CONFIG4": (128, 512, 16384, 128, 256, (16384, 1024, 2), True, PRODUCTION_BATCHES),
+    "PEAK_H64_D512": (64, 512, 32768, 16384, 64, None, False, (148,)),
+    "PEAK_H64_D576": (64, 576, 32768, 16384, 64, None, False, (148,)),
+    "PEAK_H128_D512": (128, 512, 32768, 16384, 64, None, False, (148,)),
+    "PEAK_H128_D576": (128, 576, 32768, 16384, 64, None, False, (148,)),
+}
+S_Q = 2
+
+
+def _scope(g, b: int, s_k: int, topk: int, page: int, fmt: str):
+    """One cache and its indices: varlen requests (lengths ~ N(s_k, s_k / 2), at least s_q), blocks at random, topk
+    distinct tokens of each query's request (all of them where it has fewer, the rest -1)."""
+    lens = [max(int(random.normalvariate(s_k, s_k / 2)), S_Q) for _ in range(b)]
+    blocks = -(-max(lens) // page)
+    table = torch.randperm(b * blocks, generator=g, device="cuda").view(b, blocks)
+    rows = (torch.randn(b * blocks, page, 1, 512 if fmt != "V32" else 576, generator=g, device="cuda") / 10).bfloat16()
+    cache = mla_cute.quantize_kv_cache(rows.clamp(-1, 1), kv_format=fmt)
+    del rows
+    n = torch.tensor(lens, device="cuda").view(b, 1, 1)
+    key = torch.rand(b, S_Q, blocks * page, generator=g, device="cuda")
+    key = key.masked_fill(torch.arange(blocks * page, device="cuda") >= n, 2.0)  # past the length: last
+    pos = key.argsort(dim=-1)[..., :topk]
+    phys = torch.gather(table.unsqueeze(1).expand(b, S_Q, blocks), 2, pos // page) * page + pos % page
+    indices = torch.where(pos < n, phys, -1).to(torch.int32)
+    return cache, indices
+
+
+def make_inputs(name: str, b: int, seed: int = 0):
+    h_q, d_qk, s_k, topk, page, extra, extra_len, _ = CONFIGS[name]
+    random.seed(seed * 1000 + b)
+    g = torch.Generator(device="cuda").manual_seed(seed * 1000 + b)
+    fmt = "V32" if d_qk == 576 else "V4"
+    q = torch.randn(b, S_Q, h_q, d_qk, generator=g, device="cuda").clamp(-1, 1).bfloat16()
+    sink = torch.randn(h_q, generator=g, device="cuda")
+    mask = torch.randn(h_q, generator=g, device="cuda")
+    sink = sink.masked_fill(mask > 0.5, float("inf")).masked_fill(mask < -0.5, float("-inf"))
+    cache, indices = _scope(g, b, s_k, topk, page, fmt)
+    args = dict(q=q, k_cache=cache, indices=indices, attn_sink=sink, sm_scale=d_qk ** -0.55)
+    if extra is not None:
+        e_s_k, e_topk, e_page = extra
+        args["extra_k_cache"], args["extra_indices_in_kvcache"] = _scope(g, b, e_s_k, e_topk, e_page, fmt)
+        if extra_len:
+            args["extra_topk_length"] = torch.randint(0, e_topk + 1, (b,), generator=g, device="cuda",
+                                                      dtype=torch.int32)
+    return args
+
+
+def call(mod, a: dict, meta, **kw):
+    """FlashMLA's decode call as its test makes it (positional, in its order)."""
+    return mod.flash_mla_with_kvcache(
+        a["q"], a["k_cache"], None, None, 512, meta, None, a["sm_scale"], False, True, a["indices"], a["attn_sink"],
+        a.get("extra_k_cache"), a.get("extra_indices_in_kvcache"), None, a.get("extra_topk_length"), **kw)
+
+
+def eager_fn(mod, a: dict, **kw):
+    meta = mod.get_mla_metadata()[0]
+    call(mod, a, meta, **kw)
+    return lambda: call(mod, a, meta, **kw)
+
+
+def graph_fn(mod, a: dict, **kw):
+    """The call captured with its metadata made inside the capture; returns the replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call(mod, a, mod.get_mla_metadata()[0], **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call(mod, a, mod.get_mla_metadata()[0], **kw)
+    g.replay()
+    torch.cuda.synchronize()
+    return g.replay
+
+
+def host_us(fn) -> float:
+    """CPU time of one call, over HOST_CALLS back-to-back calls (us)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.process_time()
+    for _ in range(HOST_CALLS):
+        fn()
+    t1 = time.process_time()
+    torch.cuda.synchronize()
+    return (t1 - t0) / HOST_CALLS * 1e6
+
+
+def compare(fm_out, ours_out) -> dict:
+    (oa, la), (ob, lb) = fm_out, ours_out
+    a, b = oa.float(), ob.float()
+    m = torch.isfinite(a) & torch.isfinite(b)
+    lm = torch.isfinite(la) & torch.isfinite(lb)
+    return dict(out_rel=float((a[m] - b[m]).norm() / a[m].norm().clamp_min(1e-30)),
+                lse_maxdiff=float((la[lm] - lb[lm]).abs().max()) if lm.any() else 0.0,
+                lse_inf_agree=bool(torch.equal(torch.isinf(la), torch.isinf(lb))),
+                ours_nan=int(torch.isnan(ob).sum()))
+
+
+def timed(fns: dict, rounds: int) -> dict:
+    warm_gpu()
+    times = flashmla_side.interleaved(fns, rounds, lambda fn: bench(fn, **REPS) * 1e3)
+    return {k: flashmla_side.median(v) for k, v in times.items()}
+
+
+def row(fm, name: str, b: int, modes, rounds: int) -> dict:
+    h_q, d_qk, s_k, topk, page, extra, extra_len, _ = CONFIGS[name]
+    a = make_inputs(name, b)
+    rec = dict(config=name, b=b, s_q=S_Q, h_q=h_q, d_qk=d_qk, topk=topk, page=page,
+               extra_topk=extra[1] if extra else 0, extra_page=extra[2] if extra else None, extra_topk_length=extra_len)
+    fm_e, ours_e = eager_fn(fm, a, use_legacy=True), eager_fn(mla_cute, a)
+    rec.update(compare(fm_e(), ours_e()))
+    if "eager" in modes:
+        t = timed({"fm": fm_e, "ours": ours_e}, rounds)
+        rec.update(fm_us=t["fm"], ours_us=t["ours"], ratio=t["fm"] / t["ours"])
+    if "graph" in modes:
+        t = timed({"fm": graph_fn(fm, a, use_legacy=True), "ours": graph_fn(mla_cute, a)}, rounds)
+        rec.update(fm_graph_us=t["fm"], ours_graph_us=t["ours"], graph_ratio=t["fm"] / t["ours"])
+    if "host" in modes and b == 2:
+        rec.update(fm_host_us=host_us(fm_e), ours_host_us=host_us(ours_e))
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--batches", default=None, help="only these batch sizes (default: each configuration's)")
+    ap.add_argument("--modes", default="eager,graph,host")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    fm = flashmla_side.flash_mla()
+    if fm is None:
+        raise SystemExit("flash_mla does not import: these rows are timed beside FlashMLA only")
+    modes = set(args.modes.split(","))
+    only = {int(x) for x in args.batches.split(",")} if args.batches else None
+    recs = []
+    print("| config | b | h_q | eager FlashMLA / ours us (ratio) | graph FlashMLA / ours us (ratio) | host us "
+          "FlashMLA / ours | out rel |\n|---|---|---|---|---|---|---|", flush=True)
+    for name in args.configs.split(","):
+        for b in CONFIGS[name][-1]:
+            if only is not None and b not in only:
+                continue
+            rec = row(fm, name, b, modes, args.rounds)
+            recs.append(rec)
+            eager = f"{rec['fm_us']:.1f} / {rec['ours_us']:.1f} ({rec['ratio']:.2f})" if "fm_us" in rec else "-"
+            graph = (f"{rec['fm_graph_us']:.1f} / {rec['ours_graph_us']:.1f} ({rec['graph_ratio']:.2f})"
+                     if "fm_graph_us" in rec else "-")
+            host = f"{rec['fm_host_us']:.1f} / {rec['ours_host_us']:.1f}" if "fm_host_us" in rec else "-"
+            print(f"| {name} | {b} | {rec['h_q']} | {eager} | {graph} | {host} | {rec['out_rel']:.1e} |", flush=True)
+            torch.cuda.empty_cache()
+    if args.out:
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
+                    method=__doc__.split("Modes:")[1].strip())
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=recs), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
