@@ -57,16 +57,21 @@ CONFIGS = {
     "PEAK_H128_D576": (128, 576, 32768, 16384, 64, None, False, (148,)),
 }
 S_Q = 2
+POOL_TOKENS = 1 << 22
 
 
 def _scope(g, b: int, s_k: int, topk: int, page: int, fmt: str):
     """One cache and its indices: varlen requests (lengths ~ N(s_k, s_k / 2), at least s_q), blocks at random, topk
-    distinct tokens of each query's request (all of them where it has fewer, the rest -1)."""
+    distinct tokens of each query's request (all of them where it has fewer, the rest -1).  The requests' blocks
+    are drawn from a pool of at most POOL_TOKENS tokens (over a GB: far beyond L2), which keeps the largest rows'
+    caches within the GPU's memory."""
     lens = [max(int(random.normalvariate(s_k, s_k / 2)), S_Q) for _ in range(b)]
     blocks = -(-max(lens) // page)
-    table = torch.randperm(b * blocks, generator=g, device="cuda").view(b, blocks)
-    rows = (torch.randn(b * blocks, page, 1, 512 if fmt != "V32" else 576, generator=g, device="cuda") / 10).bfloat16()
-    cache = mla_cute.quantize_kv_cache(rows.clamp(-1, 1), kv_format=fmt)
+    pool = min(b * blocks, -(-POOL_TOKENS // page))
+    table = torch.randperm(b * blocks, generator=g, device="cuda").view(b, blocks) % pool
+    rows = torch.randn(pool, page, 1, 512 if fmt != "V32" else 576, generator=g, device="cuda",
+                       dtype=torch.bfloat16).mul_(0.1).clamp_(-1, 1)
+    cache = mla_cute.quantize_kv_cache(rows, kv_format=fmt)
     del rows
     n = torch.tensor(lens, device="cuda").view(b, 1, 1)
     key = torch.rand(b, S_Q, blocks * page, generator=g, device="cuda")
