@@ -22,7 +22,9 @@ from setuptools.command.build_py import build_py
 
 def bundle_kernels(target: Path, sets: str, jobs: str, run=subprocess.run) -> None:
     """Build ``sets`` into ``target`` as the disk cache does, then keep only whole entries (object, checksum,
-    description; the shared library and its checksum where a compiler linked one)."""
+    description; the shared library and its checksum where a compiler linked one).  ``target`` loses group and
+    other write permission first (a cache directory others may write is not used)."""
+    target.chmod(target.stat().st_mode & ~0o022)
     env = dict(os.environ, MLA_CUTE_CACHE_DIR=str(target), CUTE_DSL_ARCH=os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
     run([sys.executable, "-m", "mla_cute.precompile", "--sets", sets, "--jobs", jobs], env=env, check=True)
     for path in target.iterdir():

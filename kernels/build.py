@@ -10,7 +10,7 @@ import pickle
 import subprocess
 import sys
 
-from ..jit import _report, _target_arch, cached_compile, disk_cache_enabled, estimate, is_warm, prepare_dsl
+from ..jit import _report, _target_arch, cached_compile, disk_cache_usable, estimate, is_warm, prepare_dsl
 from ..schedules.configs import (CombineConfig, DenseStepConfig, MergeConfig, SchedulerConfig, SparsePrefillConfig,
                                  SparseStepConfig, WriteCacheConfig)
 
@@ -31,7 +31,7 @@ def compile_all(tasks) -> list:
     their sum; the kernels then load from disk here.  Other functions (a test's stand-ins) run in order."""
     unique = list(dict.fromkeys(tasks))
     ours = all(getattr(fn, "builds_in_parallel", False) for fn, _ in unique)
-    if ours and disk_cache_enabled() and compile_jobs() > 1:
+    if ours and disk_cache_usable() and compile_jobs() > 1:
         cold = [(fn.__name__, cfg) for fn, cfg in unique if not is_warm((_KINDS[fn.__name__], cfg, ""))]
         if len(cold) > 1:
             _build_in_processes(cold)

@@ -11,15 +11,25 @@ edit of a kernel or schedule source invalidates it.  ``MLA_CUTE_DISK_CACHE=0`` d
 An entry is ``<name>.o`` plus a sidecar ``<name>.sum`` holding the object's size and sha256, and
 ``<name>.txt``, the configuration it was compiled for (what ``cache_info`` reports).  Where a C compiler
 is found (``$CC``, else ``cc``), the object is also linked into ``<name>.so`` (sidecar ``<name>.so.sum``:
-size, sha256, the DSL runtime's path in its package and the object's sha256, so a library left from an older
-object is not loaded), which a load opens through TVM-FFI without
-importing the DSL (seconds of a fresh process's first call); without one, or when the library does not
-load, the object is linked in memory by the DSL.  Files are written to temporary files and published with ``os.replace``, the sidecar last, and
+size, sha256 and the object's sha256, so a library left from an older object is not loaded), which a load
+opens through TVM-FFI without importing the DSL (seconds of a fresh process's first call); the library finds
+the DSL runtime it was linked against through its own run path.  A sidecar holds sizes and digests only, never
+a path: what loads is ``<name>.o`` or ``<name>.so`` of the cache directory.  Without a compiler, or when the
+library does not load, the object is linked in memory by the DSL; a disk-cache library that fails its checks or
+does not load is removed and linked again from its checked object, and a missing one (an earlier link that
+failed) is linked again by the next process that loads the entry.  Files are written to temporary files and
+published with ``os.replace``, the sidecar last, and
 the object is checked against the sidecar before it is loaded: an entry whose object or sidecar
 is missing, truncated or altered is reported once (a warning), rebuilt and replaced, never
 loaded.  Temporary files are removed when a write fails, and those of dead writers (older than
 an hour) are swept when the directory is written.  A cache directory that cannot be written
 only costs the persistence (one warning); compiling still works.
+
+The disk cache is trusted as code is (``_trust_problem``): its directory and each entry file it loads must be
+owned by this user (or root) and not writable by group or others.  A directory that is not is not used at all
+(one warning; kernels compile in memory); an entry file that is not is reported once, rebuilt and replaced.
+Files are written without group or other write permission, the directory created ``0o755`` at most.  The
+package's own kernels (``PACKAGED``) are trusted as its code is.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
 from pathlib import Path
@@ -169,12 +180,6 @@ _RUNTIME = "libcute_dsl_runtime.so"
 _preloaded: Dict[str, Any] = {}
 
 
-def _dsl_root() -> Path:
-    import importlib.util
-
-    return Path(importlib.util.find_spec("nvidia_cutlass_dsl").submodule_search_locations[0])
-
-
 def _dsl_runtime() -> str:
     """The DSL's runtime library (``$CUTE_DSL_LIBS``' if it names one, else the DSL's choice; imports the DSL)."""
     import cutlass.cute as cute
@@ -194,46 +199,93 @@ def _linker() -> list | None:
     return [found] + command[1:] if found else None
 
 
-def _link_shared(obj: Path, out: Path) -> str | None:
-    """Link the exported object ``obj`` into the shared library ``out`` against the DSL's runtime and TVM-FFI
-    (which a load then finds already loaded, by their names); returns the runtime's path within the DSL's
-    package (recorded with the library), or None when there is no compiler."""
+def _link_shared(obj: Path, out: Path) -> bool:
+    """Link the exported object ``obj`` into the shared library ``out`` against the DSL's runtime and TVM-FFI, with
+    the runtime's folder as the library's run path (a load finds it there, or already loaded by its name, as
+    TVM-FFI is); False when there is no compiler."""
     import subprocess
-
-    import tvm_ffi
 
     cc = _linker()
     if cc is None:
-        return None
+        return False
+    import tvm_ffi
+
     runtime = Path(_dsl_runtime()).resolve()
-    done = subprocess.run(cc + ["-shared", "-o", str(out), str(obj), str(runtime), tvm_ffi.libinfo.find_libtvm_ffi()],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cc + ["-shared", "-o", str(out), str(obj), str(runtime), tvm_ffi.libinfo.find_libtvm_ffi(),
+                                f"-Wl,-rpath,{runtime.parent}"], capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cc)} exited {done.returncode}: {done.stderr.strip()[-1000:]}")
-    return runtime.relative_to(_dsl_root().resolve()).as_posix()
+    return True
 
 
-def _load_shared(path: Path, name: str, runtime: str):
-    """The function ``name`` of the shared library ``path`` through TVM-FFI, without importing the DSL: its
-    runtime (``runtime``, a path within the DSL's package, or ``$CUTE_DSL_LIBS``' runtime) loaded first."""
+def _load_shared(path: Path, name: str):
+    """The function ``name`` of the shared library ``path`` through TVM-FFI, without importing the DSL.  The DSL
+    runtime it needs is ``$CUTE_DSL_LIBS``' where that names one (loaded first, as the DSL does), else the one
+    it was linked against (its run path)."""
     import ctypes
 
     import tvm_ffi
 
     named = [p for p in os.environ.get("CUTE_DSL_LIBS", "").split(os.pathsep) if p.endswith(_RUNTIME)]
-    lib = named[0] if named else str(_dsl_root() / runtime)
-    if lib not in _preloaded:
-        _preloaded[lib] = ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    if named and named[0] not in _preloaded:
+        _preloaded[named[0]] = ctypes.CDLL(named[0], mode=ctypes.RTLD_GLOBAL)
     return tvm_ffi.load_module(str(path))[name]
+
+
+def _owner_and_mode(path: Path) -> tuple:
+    st = os.stat(path)
+    return st.st_uid, st.st_mode
+
+
+def _trust_problem(path: Path) -> str | None:
+    """Why the disk cache's directory or file ``path`` must not be used (None when it is owned by this user or
+    root and neither its group nor others may write it; a path that does not exist is none of these)."""
+    try:
+        uid, mode = _owner_and_mode(path)
+    except (FileNotFoundError, NotADirectoryError):  # not there (a store then makes it, or fails to)
+        return None
+    except OSError as exc:
+        return f"{path} cannot be examined ({exc})"
+    me = os.getuid() if hasattr(os, "getuid") else None
+    if me is not None and uid not in (me, 0):
+        return f"{path} is owned by uid {uid}, not by this user (uid {me}) or root"
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by its group or others (mode {stat.S_IMODE(mode):o})"
+    return None
+
+
+def _usable_cache_dir() -> Path | None:
+    """The disk cache's directory when the disk cache is on and the directory may be trusted (or does not exist
+    yet); else None, reported once for an untrusted directory."""
+    if not disk_cache_enabled():
+        return None
+    directory = cache_dir()
+    problem = _trust_problem(directory)
+    if problem is None:
+        return directory
+    _warn_once(("untrusted", str(directory)), "mla_cute: not using the compile cache in %s: %s; kernels compile in "
+               "memory (make it yours and not writable by group or others, e.g. chmod go-w, or set "
+               "MLA_CUTE_CACHE_DIR to another folder)", directory, problem)
+    return None
+
+
+def _seal(path: Path) -> None:
+    """Take group and other write permission off a file about to be published."""
+    os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
 
 
 def _sidecar_text(data: bytes) -> str:
     return f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"
 
 
-def _entry_problem(obj: Path, side: Path) -> str | None:
+def _entry_problem(obj: Path, side: Path, trusted: bool = False) -> str | None:
     """Why the entry ``obj`` must not be loaded (None when it matches its sidecar ``side``: size and sha256, then
-    any further fields, ``_sidecar_fields``)."""
+    any further fields, ``_sidecar_fields``).  Unless ``trusted`` (the package's kernels), both files must pass
+    ``_trust_problem`` first."""
+    for path in () if trusted else (side, obj):
+        problem = _trust_problem(path)
+        if problem is not None:
+            return problem
     try:
         size, digest = side.read_text().split()[:2]
         size = int(size)
@@ -241,14 +293,15 @@ def _entry_problem(obj: Path, side: Path) -> str | None:
         return "its checksum file is missing"
     except (OSError, ValueError) as exc:
         return f"its checksum file is unreadable ({exc})"
+    what = "the library" if obj.suffix == ".so" else "the object"
     try:
         data = obj.read_bytes()
     except OSError as exc:
-        return f"the object is unreadable ({exc})"
+        return f"{what} is unreadable ({exc})"
     if len(data) != size:
-        return f"the object has {len(data)} bytes, its checksum file says {size}"
+        return f"{what} has {len(data)} bytes, its checksum file says {size}"
     if hashlib.sha256(data).hexdigest() != digest:
-        return "the object does not match its checksum"
+        return f"{what} does not match its checksum"
     return None
 
 
@@ -257,16 +310,19 @@ def _sidecar_fields(side: Path) -> list:
 
 
 def _load_from_disk(name: str, directory: Path | None = None):
-    """The cached function ``name`` of ``directory`` (the disk cache's by default), or None (absent, or bad: then
-    reported once, to be rebuilt).  The entry is its object; where it also has a sound shared library, that is
-    what loads (no DSL import)."""
-    directory = cache_dir() if directory is None else directory
+    """The cached function ``name`` of ``directory`` (the disk cache's by default, which must have passed
+    ``_usable_cache_dir``), or None (absent, or bad: then reported once, to be rebuilt).  The entry is its object;
+    where it also has a sound shared library, that is what loads (no DSL import).  The package's kernels
+    (``directory`` given) are trusted and never repaired; the disk cache's files must pass ``_trust_problem``, and
+    their library is linked again where it is bad or missing."""
+    own = directory is None
+    directory = cache_dir() if own else directory
     obj, side = directory / f"{name}.o", directory / f"{name}.sum"
     if not obj.exists() and not side.exists():
         return None
-    problem = _entry_problem(obj, side)
+    problem = _entry_problem(obj, side, trusted=not own)
     if problem is None:
-        fn = _load_linked(directory, name)
+        fn = _load_linked(directory, name, repair=own)
         if fn is not None:
             return fn
         try:
@@ -277,24 +333,50 @@ def _load_from_disk(name: str, directory: Path | None = None):
     return None
 
 
-def _load_linked(directory: Path, name: str):
-    """The entry's function from its shared library, or None (none, or one that fails its checksum or does not
-    load: reported once, and the object loads instead)."""
+def _library_problem(directory: Path, name: str, trusted: bool) -> str | None:
+    """Why the entry's shared library must not be loaded: a file that fails ``_entry_problem``, or a sidecar
+    whose one further field is not the entry's object's sha256 (a library linked from another object, or by an
+    older version that recorded more)."""
     lib, side = directory / f"{name}.so", directory / f"{name}.so.sum"
-    if not lib.exists() and not side.exists():
-        return None
-    problem = _entry_problem(lib, side)
-    fields = _sidecar_fields(side) if problem is None else []
-    if problem is None and (len(fields) < 2 or fields[1] != (directory / f"{name}.sum").read_text().split()[1]):
-        problem = "it was linked from another object (a rebuilt entry whose link failed)"
-    if problem is None:
-        try:
-            return _load_shared(lib, name, fields[0])
-        except Exception as exc:  # e.g. the runtime it was linked against is not installed here
-            problem = f"it does not load ({exc})"
-    _warn_once(("library", str(directory)), "mla_cute: loading %s from its object instead of %s: %s (reported "
-               "once for this directory)", name, lib, problem)
+    problem = _entry_problem(lib, side, trusted)
+    if problem is not None:
+        return problem
+    if _sidecar_fields(side) != [(directory / f"{name}.sum").read_text().split()[1]]:
+        return "it was linked from another object or by another version"
     return None
+
+
+def _load_linked(directory: Path, name: str, repair: bool = False):
+    """The entry's function from its shared library, or None (the object loads instead).  A library that fails
+    ``_library_problem`` or does not load is reported once a directory; with ``repair`` (the disk cache) it is
+    removed and linked again from the checked object, as is a missing one where a compiler is found (an earlier
+    link that failed or never ran: each process that loads the entry tries again, and says so)."""
+    lib, side = directory / f"{name}.so", directory / f"{name}.so.sum"
+    missing = not lib.exists() and not side.exists()
+    if not missing:
+        problem = _library_problem(directory, name, trusted=not repair)
+        if problem is None:
+            try:
+                return _load_shared(lib, name)
+            except Exception as exc:  # e.g. the runtime it was linked against has moved
+                problem = f"it does not load ({exc})"
+        _warn_once(("library", str(directory)), "mla_cute: not loading %s: %s; %s (reported once for this "
+                   "directory)", lib, problem, "linking it again" if repair else "its object loads instead")
+        if repair:
+            for path in (lib, side):
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+    if not repair or not _store_shared(directory, name, f"{os.getpid()}.{secrets.token_hex(4)}"):
+        return None  # no compiler (silent), or the link failed (reported once)
+    if missing:
+        _warn_once(("unlinked", str(directory)), "mla_cute: linked the missing shared library %s (an earlier link "
+                   "failed or never ran; reported once for this directory)", lib)
+    try:
+        return _load_shared(lib, name)
+    except Exception as exc:
+        _warn_once(("relinked", str(directory)), "mla_cute: %s, linked again, does not load (%s); its object "
+                   "loads instead", lib, exc)
+        return None
 
 
 def _sweep_stale_tmp(directory: Path) -> None:
@@ -311,14 +393,20 @@ def _store_to_disk(name: str, fn, describe: str = "") -> bool:
     token = f"{os.getpid()}.{secrets.token_hex(4)}"
     tmp_obj, tmp_side = directory / f"{name}.{token}.tmp.o", directory / f"{name}.{token}.tmp.sum"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o755)
+        problem = _trust_problem(directory)  # made by another user since it was checked
+        if problem is not None:
+            raise PermissionError(problem)
         _sweep_stale_tmp(directory)
         fn.export_to_c(str(tmp_obj), function_name=name)
         tmp_side.write_text(_sidecar_text(tmp_obj.read_bytes()))
+        _seal(tmp_obj)
+        _seal(tmp_side)
         os.replace(tmp_obj, directory / f"{name}.o")
         os.replace(tmp_side, directory / f"{name}.sum")
         _store_shared(directory, name, token)
         (directory / f"{name}.txt").write_text(f"{describe}\n{_build_stamp()}\n")
+        _seal(directory / f"{name}.txt")
         return True
     except Exception as exc:  # the kernel is compiled and usable; only its persistence failed
         _warn_once(("store", str(directory)), "mla_cute: could not write the compile cache in %s (%s: %s)",
@@ -330,21 +418,25 @@ def _store_to_disk(name: str, fn, describe: str = "") -> bool:
                 tmp.unlink(missing_ok=True)
 
 
-def _store_shared(directory: Path, name: str, token: str) -> None:
+def _store_shared(directory: Path, name: str, token: str) -> bool:
     """Beside the entry's object, its shared library (``_link_shared``) and the library's sidecar (size, sha256,
-    the runtime's path); without a compiler, or when linking fails (reported once), the object alone."""
+    the object's sha256); without a compiler, or when linking fails (reported once), the object alone.  Whether
+    a library was written."""
     tmp_lib, tmp_side = directory / f"{name}.{token}.tmp.so", directory / f"{name}.{token}.tmp.so.sum"
     try:
-        runtime = _link_shared(directory / f"{name}.o", tmp_lib)
-        if runtime is None:
-            return
+        if not _link_shared(directory / f"{name}.o", tmp_lib):
+            return False
         obj_digest = (directory / f"{name}.sum").read_text().split()[1]
-        tmp_side.write_text(_sidecar_text(tmp_lib.read_bytes()).rstrip("\n") + f" {runtime} {obj_digest}\n")
+        tmp_side.write_text(_sidecar_text(tmp_lib.read_bytes()).rstrip("\n") + f" {obj_digest}\n")
+        _seal(tmp_lib)
+        _seal(tmp_side)
         os.replace(tmp_lib, directory / f"{name}.so")
         os.replace(tmp_side, directory / f"{name}.so.sum")
+        return True
     except Exception as exc:
         _warn_once(("link", str(directory)), "mla_cute: could not link a shared library in %s (%s: %s); entries "
                    "load from their objects", directory, type(exc).__name__, exc)
+        return False
     finally:
         for tmp in (tmp_lib, tmp_side):
             with contextlib.suppress(OSError):
@@ -383,7 +475,7 @@ def cached_compile(key: Hashable, build: Callable[[], Any], *, describe: str = "
         fn = _cache.get(key)
         if fn is not None:
             return fn
-        use_disk = persistent and disk_cache_enabled()
+        use_disk = persistent and _usable_cache_dir() is not None
         name = _disk_name(key) if use_disk else None
         fn, source = None, "package"
         if persistent:
@@ -435,11 +527,18 @@ def _record_compile_time(key: Hashable, seconds: float) -> None:
         times[_kind(key)] = round(seconds, 1)
         tmp = path.with_name(f"compile_times.{os.getpid()}.{secrets.token_hex(4)}.tmp.json")  # swept if left
         tmp.write_text(json.dumps(times))
+        _seal(tmp)
         os.replace(tmp, path)
 
 
 def disk_cache_enabled() -> bool:
     return os.environ.get("MLA_CUTE_DISK_CACHE", "1") != "0"
+
+
+def disk_cache_usable() -> bool:
+    """Whether kernels are read from and written to the disk cache: it is on and its directory may be trusted
+    (``_trust_problem``; an untrusted one is reported once)."""
+    return _usable_cache_dir() is not None
 
 
 def is_warm(key: Hashable) -> bool:
@@ -449,7 +548,7 @@ def is_warm(key: Hashable) -> bool:
     name = _disk_name(key)
     if (PACKAGED / f"{name}.o").exists() and (PACKAGED / f"{name}.sum").exists():
         return True
-    return disk_cache_enabled() and (cache_dir() / f"{name}.o").exists() and (cache_dir() / f"{name}.sum").exists()
+    return disk_cache_usable() and (cache_dir() / f"{name}.o").exists() and (cache_dir() / f"{name}.sum").exists()
 
 
 def cache_info() -> dict:
@@ -458,11 +557,12 @@ def cache_info() -> dict:
     ``package``, the entries of the disk cache (``cache_dir``) and of the installed package (a wheel built with
     ``MLA_CUTE_BUNDLE_KERNELS``) built for this DSL, arch and kernel sources (loadable without compiling), each by
     its configuration; ``disk_other``, the disk cache's entries of other versions or sources (a cold compile
-    for this install); ``directory``, the disk cache's folder."""
+    for this install); ``directory``, the disk cache's folder (one that is not trusted, ``_trust_problem``,
+    lists no entries)."""
     with _lock:
         memory = sorted(_described.values())
     stamp = _build_stamp()
-    disk, other = _entries(cache_dir(), stamp)
+    disk, other = _entries(cache_dir(), stamp) if _trust_problem(cache_dir()) is None else ([], 0)
     package, _ = _entries(PACKAGED, stamp)
     return dict(memory=memory, disk=disk, disk_other=other, package=package, directory=str(cache_dir()))
 

@@ -52,7 +52,7 @@ def cache(tmp_path, monkeypatch, caplog):
         return Loaded(path.read_bytes())
 
     monkeypatch.setattr(jit, "_load_module", load)
-    monkeypatch.setattr(jit, "_link_shared", lambda obj, out: None)  # fake objects: no shared libraries
+    monkeypatch.setattr(jit, "_link_shared", lambda obj, out: False)  # fake objects: no compiler, no libraries
     caplog.set_level(logging.INFO, logger="mla_cute")
     return root, loads
 
@@ -232,9 +232,9 @@ def test_stale_tmp_files_are_swept(cache):
     assert (root / "ka.o").exists() and (root / "ka.sum").exists()
 
 
-def _assert_compiles_without_cache(root, caplog):
+def _assert_compiles_without_cache(root, caplog, fake=FakeFn):
     for key in ("a", "b"):
-        fn = FakeFn(key.encode())
+        fn = fake(key.encode())
         got, builds = compile_(key, fn)
         assert got is fn and builds == 1
     msgs = warnings(caplog)
@@ -249,16 +249,34 @@ def test_cache_dir_that_is_a_file(cache, caplog):
     assert root.read_bytes() == b"not a directory"
 
 
+def test_cache_dir_under_a_file(cache, caplog, monkeypatch):
+    root, _ = cache
+    root.write_bytes(b"not a directory")
+    monkeypatch.setenv("MLA_CUTE_CACHE_DIR", str(root / "sub"))
+    _assert_compiles_without_cache(root / "sub", caplog)
+    assert root.read_bytes() == b"not a directory"
+
+
+class ModeCheckingFn(FakeFn):
+    """Exports as the DSL would for a user other than root: refused in a directory without owner write permission
+    (root passes the kernel's check, so the fake makes it from the mode bits)."""
+
+    def export_to_c(self, path, function_name=None):
+        if not os.stat(os.path.dirname(path)).st_mode & stat.S_IWUSR:
+            raise PermissionError(13, "Permission denied", path)
+        super().export_to_c(path, function_name)
+
+
 def test_read_only_cache_dir(cache, caplog):
+    """A read-only cache directory (this user's) costs only the persistence: one warning, kernels compile, nothing
+    is written there."""
     root, _ = cache
     root.mkdir()
     root.chmod(stat.S_IRUSR | stat.S_IXUSR)
     try:
-        if os.access(root, os.W_OK):
-            pytest.skip("chmod cannot make a directory read-only for this user (root); "
-                        "test_cache_dir_that_is_a_file covers an unwritable cache")
-        _assert_compiles_without_cache(root, caplog)
+        _assert_compiles_without_cache(root, caplog, ModeCheckingFn)
         assert list(root.iterdir()) == []
+        assert "Permission denied" in warnings(caplog)[0]
     finally:
         root.chmod(stat.S_IRWXU)
 
@@ -327,38 +345,60 @@ def test_wheel_hook_bundles_named_sets(tmp_path, monkeypatch):
         for name in ("ka.o", "ka.sum", "ka.txt", "ka.so", "ka.so.sum", "kb.1.tmp.o", "kb.2.tmp.so", "stray.log"):
             (tmp_path / name).write_text("x")
 
+    tmp_path.chmod(0o775)  # a build folder made under umask 002: the cache would refuse it
     hook.bundle_kernels(tmp_path, "deepseek-v32-sparse", "4", run=run)
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755
     assert ran == [([sys.executable, "-m", "mla_cute.precompile", "--sets", "deepseek-v32-sparse", "--jobs", "4"],
                     str(tmp_path), True)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ka.o", "ka.so", "ka.so.sum", "ka.sum", "ka.txt"]
 
 
-def test_a_linked_library_loads_first_and_a_bad_one_falls_back_to_the_object(cache, monkeypatch, caplog):
-    """With a shared library beside the object (``_link_shared``), a load opens it (``_load_shared``, given the
-    runtime path its sidecar records); a library that fails its checksum or does not load is reported once and
-    the object loads."""
-    root, loads = cache
+class Linker:
+    """Stands in for the C compiler and TVM-FFI: ``link`` writes ``lib:`` + the object (or fails while ``fail``
+    says why), ``load`` returns what it opened (and refuses a file that is not such a library)."""
 
-    def link(obj, out):
+    def __init__(self, monkeypatch):
+        self.links, self.opened, self.fail = 0, [], None
+        monkeypatch.setattr(jit, "_link_shared", self.link)
+        monkeypatch.setattr(jit, "_load_shared", self.load)
+
+    def link(self, obj, out):
+        if self.fail:
+            raise RuntimeError(self.fail)
+        self.links += 1
         out.write_bytes(b"lib:" + obj.read_bytes())
-        return "cu13/lib/libcute_dsl_runtime.so"
+        return True
 
-    shared = []
-    monkeypatch.setattr(jit, "_link_shared", link)
-    monkeypatch.setattr(jit, "_load_shared", lambda path, name, runtime: shared.append((path.name, runtime)) or "lib")
+    def load(self, path, name):
+        data = path.read_bytes()
+        if not data.startswith(b"lib:"):
+            raise OSError(f"{path}: invalid ELF header")
+        self.opened.append(path.name)
+        return Loaded(data)
+
+
+def test_a_linked_library_loads_first_and_a_bad_one_is_linked_again(cache, monkeypatch, caplog):
+    """With a shared library beside the object (``_link_shared``), a load opens it (``_load_shared``); its sidecar
+    holds the library's size and sha256 and the object's sha256, nothing else.  A library that fails its checksum
+    is reported once, removed and linked again from the object, which then loads from the new library."""
+    root, loads = cache
+    linker = Linker(monkeypatch)
     compile_("a", FakeFn(b"A"))
     lib, side = root / "ka.so", root / "ka.so.sum"
-    assert lib.read_bytes().startswith(b"lib:A:ka:")
-    assert side.read_text().split()[2:] == ["cu13/lib/libcute_dsl_runtime.so", (root / "ka.sum").read_text().split()[1]]
-    assert jit._entry_problem(lib, side) is None
+    assert lib.read_bytes().startswith(b"lib:A:ka:") and linker.links == 1
+    assert side.read_text().split() == jit._sidecar_text(lib.read_bytes()).split() + [
+        (root / "ka.sum").read_text().split()[1]]
     jit.clear_memory_cache()
-    assert compile_("a", FakeFn(b"B")) == ("lib", 0) and shared == [("ka.so", "cu13/lib/libcute_dsl_runtime.so")]
+    got, builds = compile_("a", FakeFn(b"B"))
+    assert builds == 0 and got.data.startswith(b"lib:A:ka:") and linker.opened == ["ka.so"]
     assert loads == [] and warnings(caplog) == []
     lib.write_bytes(b"lib:damaged")
     jit.clear_memory_cache()
     got, builds = compile_("a", FakeFn(b"C"))
-    assert builds == 0 and got.data.startswith(b"A:ka:") and loads == [root / "ka.o"]
-    assert any("loading ka from its object instead of" in w for w in warnings(caplog))
+    assert builds == 0 and loads == [] and got.data == lib.read_bytes() == b"lib:" + (root / "ka.o").read_bytes()
+    assert linker.links == 2 and jit._library_problem(root, "ka", trusted=False) is None
+    (msg,) = warnings(caplog)
+    assert f"not loading {lib}" in msg and "the library has 11 bytes" in msg and "linking it again" in msg
 
 
 def test_a_cold_compile_announces_the_last_time_of_its_kind(cache, caplog, monkeypatch):
@@ -379,21 +419,218 @@ def test_a_cold_compile_announces_the_last_time_of_its_kind(cache, caplog, monke
 
 def test_a_library_of_an_older_object_is_not_loaded(cache, monkeypatch, caplog):
     """An entry rebuilt (its object damaged) whose new link fails keeps the old library on disk; that library
-    records the old object's digest, so the new object loads instead."""
+    records the old object's digest, so it is not loaded: removed, linked again (failing again here, reported),
+    and the new object loads."""
     root, loads = cache
-    monkeypatch.setattr(jit, "_link_shared", lambda obj, out: out.write_bytes(b"lib") or "cu13/lib/x.so")
-    monkeypatch.setattr(jit, "_load_shared", lambda path, name, runtime: "lib")
+    linker = Linker(monkeypatch)
     compile_("a", FakeFn(b"A"))
     (root / "ka.o").write_bytes(b"damaged")
-
-    def fail(obj, out):
-        raise RuntimeError("cc exited 1: no space")
-
-    monkeypatch.setattr(jit, "_link_shared", fail)
+    linker.fail = "cc exited 1: no space"
     jit.clear_memory_cache()
     compile_("a", FakeFn(b"B"))  # rebuilt: new object, link failed, the old library left
-    assert (root / "ka.so").exists() and any("could not link" in w for w in warnings(caplog))
+    assert (root / "ka.so").read_bytes().startswith(b"lib:A:") and any("could not link" in w for w in warnings(caplog))
     jit.clear_memory_cache()
+    monkeypatch.setattr(jit, "_warned", set())  # a later process
+    caplog.clear()
     got, builds = compile_("a", FakeFn(b"C"))
-    assert builds == 0 and got.data.startswith(b"B:ka:") and loads == [root / "ka.o"]
-    assert any("linked from another object" in w for w in warnings(caplog))
+    assert builds == 0 and got.data.startswith(b"B:ka:") and loads == [root / "ka.o"] and linker.opened == []
+    assert not (root / "ka.so").exists() and not (root / "ka.so.sum").exists()
+    msgs = warnings(caplog)
+    assert any("linked from another object" in w for w in msgs) and any("no space" in w for w in msgs)
+
+
+# The trust boundary: the disk cache is used only where no other user could have written it.
+
+OTHER_UID = os.getuid() + 4242  # neither this user nor root
+
+
+def _owned_by_another_user(monkeypatch, *paths):
+    """``jit`` sees ``paths`` (these very files: a replaced file is a new one) as owned by ``OTHER_UID``."""
+    marked = {(p.stat().st_dev, p.stat().st_ino) for p in paths}
+    real = jit._owner_and_mode
+
+    def owner_and_mode(path):
+        uid, mode = real(path)
+        st = os.stat(path)
+        return (OTHER_UID if (st.st_dev, st.st_ino) in marked else uid), mode
+
+    monkeypatch.setattr(jit, "_owner_and_mode", owner_and_mode)
+
+
+def _snapshot(root):
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+
+
+@pytest.mark.parametrize("how, why", [
+    ("another user's", f"owned by uid {OTHER_UID}"),
+    ("group-writable", "writable by its group or others (mode 775)"),
+    ("world-writable", "writable by its group or others (mode 1777)"),
+])
+def test_a_cache_dir_another_user_could_write_is_not_used(cache, caplog, monkeypatch, how, why):
+    """A cache directory owned by another user, or one its group or others may write (a shared /tmp folder), is not
+    used: its entries are not loaded (one warning), kernels compile in memory, nothing is written there."""
+    root, loads = cache
+    compile_("a", FakeFn(b"A"))  # a sound entry, which would load
+    jit.clear_memory_cache()
+    before = _snapshot(root)
+    if how == "another user's":
+        _owned_by_another_user(monkeypatch, root)
+    else:
+        root.chmod(0o775 if how == "group-writable" else 0o1777)
+    caplog.clear()
+    for key in ("a", "b", "a"):
+        fn = FakeFn(key.encode())
+        assert compile_(key, fn) == (fn, 1)
+        jit.clear_memory_cache()
+    assert loads == [], "nothing of an untrusted directory may be loaded"
+    (msg,) = warnings(caplog)
+    assert f"not using the compile cache in {root}" in msg and why in msg and "compile in memory" in msg
+    assert _snapshot(root) == before
+    jit.clear_memory_cache()
+    assert not jit.is_warm("a") and jit.cache_info()["disk"] == []
+
+
+@pytest.mark.parametrize("suffix", [".o", ".sum"])
+@pytest.mark.parametrize("how", ["another user's", "group-writable"])
+def test_an_entry_file_another_user_could_write_is_rebuilt(cache, caplog, monkeypatch, suffix, how):
+    """In a trusted directory, an entry whose object or checksum file belongs to another user, or may be written by
+    its group or others, is reported, not loaded, rebuilt and replaced by this user's own files."""
+    root, loads = cache
+    compile_("a", FakeFn(b"A"))
+    jit.clear_memory_cache()
+    planted = root / f"ka{suffix}"
+    if how == "another user's":
+        _owned_by_another_user(monkeypatch, planted)
+    else:
+        planted.chmod(0o664)
+    caplog.clear()
+    fresh = FakeFn(b"C")
+    assert compile_("a", fresh) == (fresh, 1) and loads == []
+    (msg,) = warnings(caplog)
+    assert f"rebuilding the compile cache entry {root / 'ka.o'}" in msg and str(planted) in msg
+    assert jit._trust_problem(planted) is None and stat.S_IMODE(planted.stat().st_mode) & 0o022 == 0
+    jit.clear_memory_cache()
+    got, builds = compile_("a", FakeFn(b"D"))
+    assert builds == 0 and got.data.startswith(b"C:ka:") and loads == [root / "ka.o"]
+
+
+def test_root_or_this_user_may_own_the_cache(cache, caplog, monkeypatch):
+    """Files of this user or of root (an image's cache built as root, served as another user) are trusted."""
+    root, loads = cache
+    compile_("a", FakeFn(b"A"))
+    jit.clear_memory_cache()
+    monkeypatch.setattr(jit.os, "getuid", lambda: OTHER_UID)
+    real = jit._owner_and_mode
+    for owner in (0, OTHER_UID):
+        monkeypatch.setattr(jit, "_owner_and_mode", lambda path, owner=owner: (owner, real(path)[1]))
+        got, builds = compile_("a", FakeFn(b"B"))
+        assert builds == 0 and got.data.startswith(b"A:ka:")
+        jit.clear_memory_cache()
+    assert warnings(caplog) == [] and len(loads) == 2
+
+
+@pytest.mark.parametrize("umask", [0o002, 0o000])
+def test_entries_are_written_without_group_or_other_write(cache, monkeypatch, umask):
+    """Whatever the umask, the directory (when created here) and every entry file are written without group or
+    other write permission, so the entries pass the trust check of the next process."""
+    root, loads = cache
+    Linker(monkeypatch)
+    old = os.umask(umask)
+    try:
+        compile_("a", FakeFn(b"A"))
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [root, *root.iterdir()]}
+    assert {"cache", "ka.o", "ka.sum", "ka.so", "ka.so.sum"} <= set(modes)
+    assert all(mode & 0o022 == 0 for mode in modes.values()), {k: oct(v) for k, v in modes.items()}
+    jit.clear_memory_cache()
+    got, builds = compile_("a", FakeFn(b"B"))
+    assert builds == 0 and got.data.startswith(b"lib:A:ka:")
+
+
+def test_a_checksum_file_names_no_library_to_load(cache, caplog, monkeypatch, tmp_path):
+    """A library's checksum file that names a path (as an older format did: the DSL runtime to load first) never
+    gets that path loaded: the library is not opened, it is removed, and the checked object loads."""
+    import ctypes
+
+    root, loads = cache
+    compile_("a", FakeFn(b"A"))
+    jit.clear_memory_cache()
+    planted = tmp_path / "planted.so"
+    planted.write_bytes(b"\x7fELF a library whose constructor must never run")
+    lib = root / "ka.so"
+    lib.write_bytes(b"\x7fELF the entry's library")
+    obj_digest = (root / "ka.sum").read_text().split()[1]
+    (root / "ka.so.sum").write_text(jit._sidecar_text(lib.read_bytes()).rstrip("\n") + f" {planted} {obj_digest}\n")
+    opened = []
+    monkeypatch.setattr(ctypes, "CDLL", lambda path, *args, **kwargs: opened.append(str(path)))
+    monkeypatch.delenv("CUTE_DSL_LIBS", raising=False)
+    got, builds = compile_("a", FakeFn(b"B"))
+    assert str(planted) not in opened, "a path read from a checksum file was loaded"
+    assert builds == 0 and got.data.startswith(b"A:ka:") and loads == [root / "ka.o"]
+    assert not lib.exists() and not (root / "ka.so.sum").exists()
+    assert any(f"not loading {lib}" in w and "another version" in w for w in warnings(caplog))
+
+
+# Repair: a broken or missing shared library of a sound entry is linked again.
+
+def _rewrite_with_checksum(lib, data):
+    side = lib.with_name(lib.name + ".sum")
+    fields = side.read_text().split()
+    lib.write_bytes(data)
+    side.write_text(" ".join(jit._sidecar_text(data).split() + fields[2:]) + "\n")
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda lib: lib.write_bytes(lib.read_bytes()[:40]), "the library has 40 bytes"),
+    (lambda lib: _rewrite_with_checksum(lib, b"\x7fELF truncated by a full disk"), "invalid ELF header"),
+])
+def test_a_broken_library_is_linked_again(cache, caplog, monkeypatch, damage, why):
+    """A truncated library, or one that matches its checksum but does not load, beside a sound object: reported,
+    removed and linked again, and the new library loads (no rebuild); the next process loads it silently."""
+    root, loads = cache
+    linker = Linker(monkeypatch)
+    compile_("a", FakeFn(b"A"))
+    lib = root / "ka.so"
+    damage(lib)
+    jit.clear_memory_cache()
+    caplog.clear()
+    got, builds = compile_("a", FakeFn(b"B"))
+    assert builds == 0 and linker.links == 2 and loads == []
+    assert got.data == lib.read_bytes() == b"lib:" + (root / "ka.o").read_bytes()
+    (msg,) = warnings(caplog)
+    assert why in msg and "linking it again" in msg
+    jit.clear_memory_cache()
+    monkeypatch.setattr(jit, "_warned", set())  # a later process
+    caplog.clear()
+    got, builds = compile_("a", FakeFn(b"C"))
+    assert builds == 0 and linker.links == 2 and got.data.startswith(b"lib:A:ka:") and warnings(caplog) == []
+
+
+@pytest.mark.parametrize("later", ["links", "fails again"])
+def test_a_failed_link_is_tried_again_by_a_later_process(cache, caplog, monkeypatch, later):
+    """A link that failed (a full disk) leaves the entry without a library and no marker: each later process that
+    loads the entry links it again and says so, whether that works (then the library loads) or fails again (then
+    the object loads)."""
+    root, loads = cache
+    linker = Linker(monkeypatch)
+    linker.fail = "cc exited 1: No space left on device"
+    compile_("a", FakeFn(b"A"))
+    assert (root / "ka.o").exists() and not (root / "ka.so").exists()
+    assert sorted(p.name for p in root.iterdir()) == ["compile_times.json", "ka.o", "ka.sum", "ka.txt"]  # no marker
+    for process in range(2):
+        jit.clear_memory_cache()
+        monkeypatch.setattr(jit, "_warned", set())
+        caplog.clear()
+        linker.fail = None if later == "links" else "cc exited 1: No space left on device"
+        got, builds = compile_("a", FakeFn(b"B"))
+        assert builds == 0
+        msgs = warnings(caplog)
+        if later == "links":
+            assert got.data.startswith(b"lib:A:ka:") and linker.links == 1
+            assert (process == 0) == any("linked the missing shared library" in m for m in msgs), msgs
+            assert len(msgs) == (process == 0)
+        else:
+            assert got.data.startswith(b"A:ka:") and loads[-1] == root / "ka.o"
+            (msg,) = msgs
+            assert "could not link" in msg and "No space left on device" in msg

@@ -162,3 +162,37 @@ def test_a_warm_start_loads_the_shared_library_without_the_dsl(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tvm_ffi.core Function cutlass imported: False" in proc.stdout, proc.stdout + proc.stderr
     assert "compiling" not in proc.stderr
+
+
+CONSTRUCTOR = 'static void __attribute__((constructor)) planted(void) { fclose(fopen("%s", "w")); }\n'
+
+
+@pytest.mark.skipif(jit._linker() is None, reason="no C compiler to link shared libraries with")
+def test_a_library_is_loaded_from_the_cache_dir_only_and_a_broken_one_is_linked_again(tmp_path):
+    """A checksum file naming another library (an older format's runtime path, here a library whose constructor
+    leaves a mark) never gets it loaded; that entry's library and a truncated one are linked again from their
+    objects, after which a fresh process loads them without the DSL."""
+    cache = tmp_path / "cache"
+    env = _env(cache)
+    _run(env)
+    (lib,) = cache.glob("*.so")
+    side = lib.with_name(lib.name + ".sum")
+    good = lib.read_bytes()
+    assert len(side.read_text().split()) == 3  # size, sha256, the object's sha256: no path
+    mark, source = tmp_path / "constructor_ran", tmp_path / "planted.c"
+    source.write_text('#include <stdio.h>\n' + CONSTRUCTOR % mark)
+    planted = tmp_path / "planted.so"
+    subprocess.run(jit._linker() + ["-shared", "-fPIC", "-o", str(planted), str(source)], check=True)
+    size, digest, obj_digest = side.read_text().split()
+    for damage in ("path", "truncate"):
+        if damage == "path":
+            side.write_text(f"{size} {digest} {planted} {obj_digest}\n")
+        else:
+            lib.write_bytes(good[: len(good) // 2])
+        log = _run(env, forbid_compile=True)
+        assert not mark.exists(), "a library named by a checksum file was loaded"
+        assert f"not loading {lib}" in log and "linking it again" in log and "compiling" not in log
+        assert jit._library_problem(cache, lib.stem, trusted=False) is None
+        proc = subprocess.run([sys.executable, "-c", NO_DSL], env=env, capture_output=True, text=True, timeout=600)
+        assert "tvm_ffi.core Function cutlass imported: False" in proc.stdout, proc.stdout + proc.stderr
+        assert "not loading" not in proc.stderr and "compiling" not in proc.stderr
