@@ -77,6 +77,29 @@ def page_bytes(kv_format: str, page: int) -> int:
     return align * math.ceil((data + scale) * page / align)
 
 
+def check_page_layout(name: str, cache: torch.Tensor, kv_format: str) -> None:
+    """The one layout rule of page-blocked caches (``PAGE_BLOCKED``), checked by every reader and by the writer
+    (``name``: the argument, for the error).  A page's scale rows are found from its page count (after ``page``
+    data rows), so the cache must be whole pages of its own page count: its rows packed (strides ``[B, bytes per
+    token, *, 1]``) and its block stride ``B`` either ``page_bytes(kv_format, page)`` (padded, as
+    ``quantize_kv_cache`` lays it out) or ``page * bytes per token`` (packed, as a copy leaves it).  A view
+    narrowed along the page dimension (``c[:, :32]`` of a page-64 cache) keeps the whole page's block stride,
+    which is neither for its smaller page count (a row's bytes exceed the padding multiple, so ``page_bytes``
+    grows by more than the multiple with every token): it is refused rather than read with other tokens' bytes as
+    its scales.  Token-major formats and empty caches have nothing to check."""
+    if kv_format not in PAGE_BLOCKED or cache.shape[0] == 0 or cache.shape[1] == 0:
+        return
+    page, bpt = cache.shape[1], BYTES_PER_TOKEN[kv_format]
+    padded = page_bytes(kv_format, page)
+    s = cache.stride()  # in bytes: the cache dtypes are one byte wide
+    if s[3] != 1 or (page > 1 and s[1] != bpt) or s[0] not in (padded, page * bpt):
+        raise ValueError(
+            f"{name} must be whole {kv_format} pages of its page_block_size {page}: block stride "
+            f"page_bytes({kv_format!r}, {page}) = {padded} or {page} * {bpt} = {page * bpt} bytes, rows packed "
+            f"(strides [B, {bpt}, *, 1]), got strides {list(s)} (a view narrowed along the page dimension keeps "
+            "the whole page's block stride, and its scale rows are not where its page count puts them)")
+
+
 def v4_page_bytes(page: int) -> int:
     """Bytes of one V4 page: its 584 * page bytes rounded up to a multiple of 576."""
     return page_bytes("V4", page)
@@ -185,6 +208,7 @@ def dequantize_kv_cache(k_cache_fp8: torch.Tensor, kv_format=None) -> torch.Tens
     if fmt == "V32":
         return _dequantize_v32(k_cache)
     _check_cache("k_cache_fp8", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
+    check_page_layout("k_cache_fp8", k_cache, fmt)
     nb, page = k_cache.shape[0], k_cache.shape[1]
     if fmt in PAGE_BLOCKED:
         data, scale, _ = PAGE_BLOCKED[fmt]
@@ -258,6 +282,7 @@ def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: 
 
     fmt = format_of(k_cache, kv_format)
     _check_cache("k_cache", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
+    check_page_layout("k_cache", k_cache, fmt)
     d = HEAD_DIM[fmt]
     if not isinstance(new_rows, torch.Tensor) or new_rows.dim() != 2 or new_rows.shape[1] != d:
         raise ValueError(f"new_rows must be a tensor [n, {d}] for a {fmt} cache, got "

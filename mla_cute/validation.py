@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .fp8 import D_LATENT, D_QK, FP8_BYTES_PER_TOKEN
-from .kv_formats import BYTES_PER_TOKEN, HEAD_DIM, format_of
+from .kv_formats import BYTES_PER_TOKEN, HEAD_DIM, check_page_layout, format_of
 
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8, torch.int8)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -225,7 +225,8 @@ def check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v,
 
 
 def _check_quantized_cache(name: str, cache, kv_format) -> str:
-    """A quantized cache ``[num_blocks, page_block_size, 1, bytes per token]``; returns its format."""
+    """A quantized cache ``[num_blocks, page_block_size, 1, bytes per token]``, a page-blocked one laid out as
+    ``check_page_layout`` says; returns its format."""
     check_tensor(name, cache, dim=4, dtypes=FP8_CACHE_DTYPES)
     fmt = format_of(cache, kv_format, name)
     if cache.shape[2] != 1 or cache.shape[3] != BYTES_PER_TOKEN[fmt]:
@@ -233,6 +234,7 @@ def _check_quantized_cache(name: str, cache, kv_format) -> str:
                          f"got {list(cache.shape)}")
     if cache.shape[0] < 1 or cache.shape[1] < 1:
         raise ValueError(f"{name} must have num_blocks >= 1 and page_block_size >= 1, got shape {list(cache.shape)}")
+    check_page_layout(name, cache, fmt)
     return fmt
 
 

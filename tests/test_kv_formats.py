@@ -285,3 +285,42 @@ def test_nan_rope_values_are_one_bf16_pattern(dtype):
         at = 528 + 2 * (col - 512) if fmt == "V32" else 448 + 2 * (col - 448)
         rope = raw[at: at + 4].view(torch.int16).tolist()
         assert rope == [0x7FFF, 0x7FFF], (fmt, dtype, [hex(v & 0xFFFF) for v in rope])
+
+
+# A page-blocked cache is whole pages of its own page count (``check_page_layout``).
+
+def _narrowed(c):
+    """Views of a page-blocked cache narrowed along the page dimension (each keeps the whole page's block stride)."""
+    return {"first half": c[:, :32], "second half": c[:, 32:], "every other": c[:, ::2], "one block": c[:1, :32],
+            "of a packed copy": c.clone()[:, :32], "block and page": c[1:, 16:48]}
+
+
+@pytest.mark.parametrize("fmt", list(PAGE_BLOCKED))
+def test_a_page_narrowed_view_is_refused_by_dequantize_and_write(fmt):
+    """``c[:, :32]`` of a page-64 cache: its scale rows are found from 32, not 64, so it must be refused (naming the
+    argument) by dequantize_kv_cache and write_kv_cache, and the cache is left as it was."""
+    c = mla_cute.quantize_kv_cache(_rows(3, 64, fmt), kv_format=fmt)
+    before = mla_cute.dequantize_kv_cache(c, kv_format=fmt)
+    for what, view in _narrowed(c).items():
+        with pytest.raises(ValueError, match=f"k_cache_fp8 must be whole {fmt} pages of its page_block_size"):
+            mla_cute.dequantize_kv_cache(view, kv_format=fmt)
+        with pytest.raises(ValueError, match=f"k_cache must be whole {fmt} pages .* got strides"):
+            mla_cute.write_kv_cache(view, torch.randn(2, 512), torch.tensor([0, 33]), kv_format=fmt)
+    assert torch.equal(mla_cute.dequantize_kv_cache(c, kv_format=fmt), before)
+
+
+@pytest.mark.parametrize("fmt", list(PAGE_BLOCKED))
+def test_whole_pages_of_a_page_blocked_cache_are_accepted(fmt):
+    """The padded cache, a packed copy (``clone``, ``.contiguous()``), blocks sliced off it and a single block read
+    as the cache they came from."""
+    x = _rows(3, 64, fmt, seed=5)
+    c = mla_cute.quantize_kv_cache(x, kv_format=fmt)
+    full = mla_cute.dequantize_kv_cache(c, kv_format=fmt)
+    packed = c.clone()
+    assert packed.stride(0) == 64 * BYTES_PER_TOKEN[fmt] and c.contiguous().stride() == packed.stride()
+    for view, want in [(c, full), (packed, full), (c[1:], full[1:]), (c[:1], full[:1]), (packed[2:], full[2:]),
+                       (c[1][None], full[1:2])]:
+        assert torch.equal(mla_cute.dequantize_kv_cache(view, kv_format=fmt), want)
+    mla_cute.write_kv_cache(packed[1:], x[0, :2, 0].float(), torch.tensor([5, 70]), kv_format=fmt)
+    again = mla_cute.dequantize_kv_cache(packed, kv_format=fmt)
+    assert torch.equal(again[1, 5], full[0, 0]) and torch.equal(again[2, 6], full[0, 1])

@@ -677,3 +677,26 @@ def test_replay_takes_numpy_causal(on_cute, s_q):
     with pytest.raises(TypeError, match="causal must be a bool, got int"):
         mla_cute.flash_mla_with_kvcache(**args, causal=1)
     assert len(on_cute["scales"]) == 3
+
+
+@pytest.mark.parametrize("fmt", ["V4", "V41_PAGED"])
+@pytest.mark.parametrize("which", ["k_cache", "extra_k_cache"])
+def test_sparse_decode_refuses_a_page_narrowed_page_blocked_cache(fmt, which):
+    """A page-blocked cache narrowed along the page dimension (``c[:, :32]`` of a page-64 cache), as the main or
+    the extra cache: a ValueError naming the argument (its scale rows would be read from the wrong place); the same
+    call with the whole cache, or a packed copy of it, runs."""
+    gen = torch.Generator().manual_seed(7)
+    whole = mla_cute.quantize_kv_cache(torch.randn(2, 64, 1, 512, generator=gen).bfloat16(), kv_format=fmt)
+    args = sparse_args(q=torch.randn(2, 1, 16, 512, generator=gen).bfloat16(), k_cache=whole, kv_format=fmt,
+                       indices=torch.randint(0, 64, (2, 1, 32), generator=gen, dtype=torch.int32))
+    extra = dict(extra_indices_in_kvcache=torch.randint(0, 64, (2, 1, 8), generator=gen, dtype=torch.int32))
+    for cache, ok in [(whole, True), (whole.clone(), True), (whole[:, :32], False), (whole[:, 32:], False),
+                      (whole[:1, :32], False)]:
+        call = dict(args, k_cache=cache) if which == "k_cache" else dict(args, extra_k_cache=cache, **extra)
+        call["tile_scheduler_metadata"] = mla_cute.get_mla_metadata()[0]
+        if ok:
+            out, lse = mla_cute.flash_mla_with_kvcache(**call)
+            assert torch.isfinite(out.float()).all()
+        else:
+            with pytest.raises(ValueError, match=f"^{which} must be whole {fmt} pages of its page_block_size 32"):
+                mla_cute.flash_mla_with_kvcache(**call)
