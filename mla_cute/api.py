@@ -547,8 +547,17 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     ``CUTE_DSL_ARCH=sm_90a`` before importing cutlass on a machine without one).  Returns the
     number of configurations prepared; each cold compile logs a line with its configuration.
     """
+    from collections.abc import Mapping
+
+    sets = "named shape sets are built by `python -m mla_cute.precompile --sets NAME` (`--list` names them)"
+    if isinstance(configs, (str, Mapping)):
+        raise TypeError(f"precompile takes an iterable of configuration dicts, got a {type(configs).__name__} "
+                        f"{configs!r:.80}: pass [config] for one; {sets}")
     count = 0
     for i, cfg in enumerate(configs):
+        if not isinstance(cfg, Mapping):
+            raise TypeError(f"precompile configurations are dicts, config {i} is a {type(cfg).__name__} "
+                            f"{cfg!r:.80}; {sets}")
         cfg = dict(cfg)
         if cfg.pop("prefill", False):
             _precompile_prefill(i, cfg)
@@ -569,7 +578,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         if extra:
             raise ValueError(f"precompile config {i} has unknown keys {sorted(extra)}")
         for key in ("s_q", "h_q") + (() if sparse else ("h_kv",)):
-            if not isinstance(cfg[key], int) or cfg[key] < 1:
+            if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
                 raise ValueError(f"precompile config {i}: {key} must be an int >= 1, got {cfg[key]!r}")
         kind = SparseDecodeSchedule if sparse else DenseDecodeSchedule
         default = schedule if isinstance(schedule, kind) else None

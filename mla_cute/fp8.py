@@ -80,6 +80,8 @@ def quantize_kv_cache(k_cache: torch.Tensor) -> torch.Tensor:
     """
     _check_cache("k_cache", k_cache, D_QK, (torch.bfloat16, torch.float16, torch.float32))
     nb, page = k_cache.shape[0], k_cache.shape[1]
+    if nb == 0 or page == 0:  # an empty cache quantizes to an empty cache
+        return torch.empty(nb, page, 1, FP8_BYTES_PER_TOKEN, dtype=torch.float8_e4m3fn, device=k_cache.device)
     x = k_cache.reshape(nb, page, D_QK)
     out = torch.empty(nb, page, FP8_BYTES_PER_TOKEN, dtype=torch.uint8, device=k_cache.device)
     latent = x[..., :D_LATENT].float().reshape(nb, page, NUM_TILES, TILE)

@@ -140,12 +140,15 @@ def page_rows(k_cache: torch.Tensor, row: int) -> torch.Tensor:
 def quantize_kv_cache(k_cache: torch.Tensor, kv_format: str = "V32") -> torch.Tensor:
     """Quantize a 16-bit cache ``[num_blocks, page, 1, d_qk]`` (d_qk 576 for V32, else 512) into ``kv_format``.
     Returns a ``torch.float8_e4m3fn`` tensor ``[num_blocks, page, 1, bytes per token]`` (for V4 a view with the
-    padded page stride)."""
+    padded page stride).  An empty cache (num_blocks or page 0) gives an empty one of that shape, as
+    ``dequantize_kv_cache`` gives back."""
     fmt = format_of(None, kv_format)
     if fmt == "V32":
         return _quantize_v32(k_cache)
     _check_cache("k_cache", k_cache, HEAD_DIM[fmt], _HALF_IN)
     nb, page = k_cache.shape[0], k_cache.shape[1]
+    if nb == 0 or page == 0:
+        return torch.empty(nb, page, 1, BYTES_PER_TOKEN[fmt], dtype=torch.float8_e4m3fn, device=k_cache.device)
     raw = _token_bytes(fmt, k_cache.reshape(nb, page, -1))
     if fmt not in PAGE_BLOCKED:
         return raw.view(torch.float8_e4m3fn).reshape(nb, page, 1, -1)
@@ -202,7 +205,8 @@ def _e2m1_tiles(x: torch.Tensor):
 
 def dequantize_kv_cache(k_cache_fp8: torch.Tensor, kv_format=None) -> torch.Tensor:
     """Expand a quantized cache ``[num_blocks, page, 1, bytes per token]`` back to bf16 ``[num_blocks, page, 1,
-    d_qk]``; ``kv_format`` as the bytes per token name it unless given (528 bytes: V41 unless said)."""
+    d_qk]``; ``kv_format`` as the bytes per token name it unless given (528 bytes: V41 unless said).  An empty
+    cache (num_blocks or page 0) gives an empty one."""
     k_cache = k_cache_fp8
     fmt = format_of(k_cache, kv_format, "k_cache_fp8")
     if fmt == "V32":
@@ -210,6 +214,8 @@ def dequantize_kv_cache(k_cache_fp8: torch.Tensor, kv_format=None) -> torch.Tens
     _check_cache("k_cache_fp8", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
     check_page_layout("k_cache_fp8", k_cache, fmt)
     nb, page = k_cache.shape[0], k_cache.shape[1]
+    if nb == 0 or page == 0:
+        return torch.empty(nb, page, 1, HEAD_DIM[fmt], dtype=torch.bfloat16, device=k_cache.device)
     if fmt in PAGE_BLOCKED:
         data, scale, _ = PAGE_BLOCKED[fmt]
         pages = page_rows(k_cache, data + scale)
@@ -272,12 +278,14 @@ def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: 
                    backend=None) -> None:
     """Quantize rows ``[n, d_qk]`` (bf16, fp16 or fp32) into their slots of a quantized cache, in place: row i goes
     to token ``slot_mapping[i]`` (``block * page + offset``; -1 skips the row), its bytes those
-    ``quantize_kv_cache`` gives the row.  Slots must be distinct and within the cache.
+    ``quantize_kv_cache`` gives the row.  Slots must be -1 or distinct and within the cache,
+    ``[0, num_blocks * page_block_size)``.
 
     On the ``cute`` backend (CUDA tensors on Hopper) this is one kernel launch that reads no value on the host, so
-    a CUDA graph can capture it: a slot outside the cache is skipped like -1, and duplicate slots are not detected
-    (one launch cannot report them).  The ``reference`` backend (torch code, the CPU's, or any device's with
-    ``backend="reference"``) checks the slots and raises ValueError."""
+    a CUDA graph can capture it: a slot outside the cache (any negative one, -5 as -1, or one past its end) is
+    skipped like -1, and duplicate slots are not detected (one launch cannot report them).  The ``reference``
+    backend (torch code, the CPU's, or any device's with ``backend="reference"``) reads the slots on the host and
+    raises ValueError naming slot_mapping for any of these (a negative slot other than -1 included)."""
     from .backend import select_backend
 
     fmt = format_of(k_cache, kv_format)
@@ -303,11 +311,14 @@ def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: 
         write_cache(k_cache, new_rows, slot_mapping, fmt)
         return
     nb, page = k_cache.shape[0], k_cache.shape[1]
-    keep = slot_mapping >= 0
+    keep = slot_mapping != -1
     slots, rows = slot_mapping[keep].long(), new_rows[keep]
     if slots.numel() == 0:
         return
-    if int(slots.max()) >= nb * page or slots.unique().numel() != slots.numel():
+    lo, hi = torch.stack([slots.min(), slots.max()]).tolist()
+    if lo < 0:
+        raise ValueError(f"slot_mapping must hold -1 (skip the row) or slots >= 0, got {lo}")
+    if hi >= nb * page or slots.unique().numel() != slots.numel():
         raise ValueError(f"slot_mapping must name distinct slots below num_blocks * page_block_size = {nb * page}")
     blk, off = slots // page, slots % page
     raw = _token_bytes(fmt, rows) if fmt != "V32" else (

@@ -257,6 +257,34 @@ def test_write_kv_cache_rejects():
         mla_cute.write_kv_cache(cache, rows, torch.tensor([0, 32, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match="distinct slots"):
         mla_cute.write_kv_cache(cache, rows, torch.tensor([4, 4, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="slot_mapping must hold -1 .* or slots >= 0, got -5"):
+        mla_cute.write_kv_cache(cache, rows, torch.tensor([4, -5, 1], dtype=torch.int32))
+
+
+def test_write_kv_cache_skips_minus_one_only():
+    """-1 skips its row; any other negative slot is refused by the reference backend (which reads the slots), and
+    the cache is left as it was."""
+    cache = mla_cute.quantize_kv_cache(_rows(2, 16, "V41"), kv_format="V41")
+    before = cache.view(torch.uint8).clone()
+    rows = torch.randn(3, 512).bfloat16()
+    for bad in (-5, -2, -(2**31)):
+        with pytest.raises(ValueError, match=f"slot_mapping must hold -1 .*got {bad}"):
+            mla_cute.write_kv_cache(cache, rows, torch.tensor([3, bad, -1], dtype=torch.int64))
+        assert torch.equal(cache.view(torch.uint8), before)
+    mla_cute.write_kv_cache(cache, rows, torch.tensor([3, -1, -1], dtype=torch.int32))
+    changed = (cache.view(torch.uint8) != before).reshape(32, -1).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [3]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("nb, page", [(0, 64), (3, 0), (0, 0)])
+def test_an_empty_cache_quantizes_to_an_empty_cache(fmt, nb, page):
+    """num_blocks or page 0: quantize_kv_cache gives an empty cache of that shape, dequantize_kv_cache an empty
+    16-bit one (not an error from inside)."""
+    c = mla_cute.quantize_kv_cache(torch.zeros(nb, page, 1, HEAD_DIM[fmt], dtype=torch.bfloat16), kv_format=fmt)
+    assert c.shape == (nb, page, 1, BYTES_PER_TOKEN[fmt]) and c.dtype == torch.float8_e4m3fn
+    y = mla_cute.dequantize_kv_cache(c, kv_format=fmt)
+    assert y.shape == (nb, page, 1, HEAD_DIM[fmt]) and y.dtype == torch.bfloat16
 
 
 def test_metadata_serves_one_format():

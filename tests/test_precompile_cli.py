@@ -41,6 +41,31 @@ def test_named_sets_are_valid_configurations(monkeypatch):
     assert len(cli.SETS["deepseek-v32-sparse"]) == 32 + 2 and len(cli.SETS["deepseek-v3-dense"]) == 32
 
 
+@pytest.mark.parametrize("kind, key", [("dense", "s_q"), ("dense", "h_q"), ("dense", "h_kv"), ("sparse", "s_q"),
+                                       ("sparse", "h_q")])
+def test_precompile_refuses_a_bool_for_a_size(monkeypatch, kind, key):
+    """``s_q=True`` is an int to Python but names no shape: refused (naming the key) before anything is built."""
+    from mla_cute.backends import cute
+
+    built = []
+    monkeypatch.setattr(cute, "precompile_dense", lambda *a: built.append(a))
+    monkeypatch.setattr(cute, "precompile_sparse", lambda *a: built.append(a))
+    cfg = dict(dtype=torch.bfloat16, s_q=1, h_q=16, h_kv=1) if kind == "dense" else dict(sparse=True, s_q=1, h_q=64)
+    assert mla_cute.precompile([cfg]) == 1 and len(built) == 1
+    with pytest.raises(ValueError, match=f"precompile config 0: {key} must be an int >= 1, got True"):
+        mla_cute.precompile([dict(cfg, **{key: True})])
+    assert len(built) == 1
+
+
+@pytest.mark.parametrize("configs", [["deepseek-v3-dense"], "deepseek-v3-dense", dict(sparse=True, s_q=1, h_q=64),
+                                     [("s_q", 1)]])
+def test_precompile_takes_configuration_dicts_not_set_names(configs):
+    """A set's name (alone or in a list), a lone dict or anything but dicts: a TypeError saying configurations are
+    dicts and where set names go."""
+    with pytest.raises(TypeError, match=r"configuration.* dicts.*python -m mla_cute\.precompile --sets"):
+        mla_cute.precompile(configs)
+
+
 def test_precompile_checks_writer_configurations():
     with pytest.raises(ValueError, match="precompile config 0 has unknown keys"):
         mla_cute.precompile([dict(write_cache=True, h_q=64)])
