@@ -127,3 +127,52 @@ def test_extra_cache_cuda_graph_replay():
             tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], backend="reference", **kw, **case)
         assert_close_flashmla("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS)
         assert_close_flashmla("lse", lse, ref_lse, LSE_ABS, LSE_REL)
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("extra_page,extra_topk,with_lengths", [(64, 512, False), (2, 1024, True)],
+                         ids=["window-page64", "window-page2-lengths"])
+@pytest.mark.parametrize("b", [4, 74])
+def test_v4_production_shapes(h_q, extra_page, extra_topk, with_lengths, b):
+    """DeepSeek V4's call as FlashMLA's performance cases make it: topk 128 of a page-256 V4 cache beside a
+    window cache of 512 or 1024 tokens on page 64, or on page 2 with extra_topk_length (0 and the full topk
+    among them); sinks with +-inf; the metadata reused."""
+    gen = torch.Generator().manual_seed(b * h_q + extra_page)
+    sink = torch.randn(h_q, generator=gen)
+    sink[0], sink[1] = float("inf"), float("-inf")
+    case = make_sparse_case(b, 2, h_q, 2048, 128, 256, attn_sink=sink, seed=b + h_q, kv_format="V4")
+    lengths = None
+    if with_lengths:
+        lengths = torch.randint(0, extra_topk + 1, (b,), generator=gen)
+        lengths[0], lengths[-1] = 0, extra_topk
+    run_and_check(with_extra(case, nb=4096 // extra_page, page=extra_page, topk=extra_topk, lengths=lengths,
+                             seed=b + 1), expect=dict(extra_cache="V4", crossover=h_q == 128), reuse=2)
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_extra_cache_graph_replays_lengths_written_in_place(h_q):
+    """A graph captured once (metadata made inside the capture) and replayed after both caches' lengths are
+    written in place: its scheduler plans the new lengths (it reads the tensors the call passed, no copy)."""
+    import mla_cute
+
+    b = 12
+    case = with_extra(make_sparse_case(b, 2, h_q, 2048, 128, 256, topk_length=[128] * b, seed=31, kv_format="V4"),
+                      nb=1024, page=2, topk=1024, lengths=[1024] * b, seed=32)
+    kw = dict(block_table=None, cache_seqlens=None, head_dim_v=512, is_fp8_kvcache=True)
+    mla_cute.flash_mla_with_kvcache(tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], backend="cute", **kw,
+                                    **case)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        meta, _ = mla_cute.get_mla_metadata()
+        out, lse = mla_cute.flash_mla_with_kvcache(tile_scheduler_metadata=meta, backend="cute", **kw, **case)
+    gen = torch.Generator().manual_seed(33)
+    for _ in range(2):
+        case["topk_length"].copy_(torch.randint(0, 129, (b,), generator=gen))
+        case["extra_topk_length"].copy_(torch.randint(0, 1025, (b,), generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(
+            tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], backend="reference", **kw, **case)
+        assert_close_flashmla("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS)
+        assert_close_flashmla("lse", lse, ref_lse, LSE_ABS, LSE_REL)
