@@ -150,3 +150,29 @@ def test_compile_all_builds_cold_kernels_apart_only_when_allowed(monkeypatch):
     with pytest.raises(ValueError, match="MLA_CUTE_COMPILE_JOBS"):
         build.compile_all(tasks)
     assert real.builds_in_parallel
+
+
+@pytest.mark.compile  # imports the kernels' build module (the DSL)
+def test_compile_all_builds_here_when_the_disk_cache_is_not_used(monkeypatch, tmp_path):
+    """Child processes hand their kernels over through the disk cache: where it is not used (a directory its group
+    or others may write), they would build for nothing, so every kernel is built here."""
+    import mla_cute.kernels.build as build
+    from mla_cute import jit
+    from mla_cute.schedules import SchedulerConfig
+
+    sent, built = [], []
+    monkeypatch.setattr(build, "_build_in_processes", lambda cold: sent.append(cold))
+    monkeypatch.setattr(jit, "_warned", set())
+    monkeypatch.setattr(build, "compile_scheduler", lambda c, options="": built.append(c))
+    build.compile_scheduler.builds_in_parallel = True
+    build.compile_scheduler.__name__ = "compile_scheduler"
+    monkeypatch.setenv("MLA_CUTE_COMPILE_JOBS", "4")
+    monkeypatch.setenv("MLA_CUTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MLA_CUTE_DISK_CACHE", raising=False)
+    tasks = [(build.compile_scheduler, SchedulerConfig(fixed_cost=k)) for k in (2, 3)]
+    tmp_path.chmod(0o777)
+    build.compile_all(tasks)
+    assert sent == [] and built == [SchedulerConfig(fixed_cost=k) for k in (2, 3)]
+    tmp_path.chmod(0o755)
+    build.compile_all(tasks)
+    assert len(sent) == 1
