@@ -19,8 +19,8 @@ Modes:
          triton.testing.do_bench(warmup=10, rep=50); us = the median over the rounds.
   graph  the call captured in a CUDA graph with its metadata made inside the capture (the scheduler kernel is in
          the graph, as an engine captures a step), replays timed the same way.
-  host   CPU time (time.process_time) per call over 1000 back-to-back eager calls on the b = 2 rows, the GPU
-         drained before and after; FlashMLA's and ours.
+  host   CPU time of the calling thread (time.thread_time) per call over 1000 back-to-back eager calls on the
+         b = 2 rows, in 5 blocks of 200 (the GPU drained before each), the median block's; FlashMLA's and ours.
 
     python benchmarks/bench_sparse_cases.py [--configs V32,CONFIG1,...,PEAK] [--batches 2,64] [--modes eager,graph,host]
                                            [--rounds 3] [--out rows.json]
@@ -131,17 +131,20 @@ def graph_fn(mod, a: dict, **kw):
     return g.replay
 
 
-def host_us(fn) -> float:
-    """CPU time of one call, over HOST_CALLS back-to-back calls (us)."""
+def host_us(fn, blocks: int = 5) -> float:
+    """CPU time of the calling thread per call over HOST_CALLS back-to-back calls, in ``blocks`` blocks (the GPU
+    drained before each): the median block's (us)."""
     for _ in range(20):
         fn()
+    per_call = []
+    for _ in range(blocks):
+        torch.cuda.synchronize()
+        t0 = time.thread_time()
+        for _ in range(HOST_CALLS // blocks):
+            fn()
+        per_call.append((time.thread_time() - t0) / (HOST_CALLS // blocks) * 1e6)
     torch.cuda.synchronize()
-    t0 = time.process_time()
-    for _ in range(HOST_CALLS):
-        fn()
-    t1 = time.process_time()
-    torch.cuda.synchronize()
-    return (t1 - t0) / HOST_CALLS * 1e6
+    return sorted(per_call)[blocks // 2]
 
 
 def compare(fm_out, ours_out) -> dict:
