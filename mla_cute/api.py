@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import os
 from typing import Iterable, Optional, Tuple
 
@@ -31,6 +32,7 @@ from .schedules import (
 _SCHEDULE_TYPES = (DenseDecodeSchedule, SparseDecodeSchedule)
 _DEFAULT_SCALE = D_QK ** -0.5
 _INF = float("inf")
+_LOG2_E = math.log2(math.e)
 _DEFAULTS = {DenseDecodeSchedule: DEFAULT_DENSE_SCHEDULE, SparseDecodeSchedule: DEFAULT_SPARSE_SCHEDULE}
 _schedule_override: contextvars.ContextVar[dict] = contextvars.ContextVar("mla_cute_schedules", default={})
 
@@ -219,15 +221,19 @@ def flash_mla_with_kvcache(
     num_splits: None = None,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
-    is_fp8_kvcache: bool = False,
+    is_fp8_kvcache: Optional[bool] = None,
     indices: Optional[torch.Tensor] = None,
     attn_sink: Optional[torch.Tensor] = None,
     extra_k_cache: Optional[torch.Tensor] = None,
     extra_indices_in_kvcache: Optional[torch.Tensor] = None,
     topk_length: Optional[torch.Tensor] = None,
     extra_topk_length: Optional[torch.Tensor] = None,
-    *,
+    enable_batch_invariant: bool = False,
+    use_legacy: bool = False,
     kv_format: Optional[str] = None,
+    descale_q: Optional[torch.Tensor] = None,
+    descale_k: Optional[torch.Tensor] = None,
+    *,
     backend: Optional[str] = None,
     schedule: Optional[DenseDecodeSchedule] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -253,7 +259,13 @@ def flash_mla_with_kvcache(
         num_splits: must be None.  softmax_scale: default q's head_dim ``** -0.5``; a finite float > 0
             (an int, a numpy number or a 0-dim tensor is read with ``float()``; a bool is refused).
         causal: a bool (a numpy bool too; an int such as 1 is refused).
-        kv_format (keyword): the sparse cache's format (``mla_cute.kv_formats``): "V32" (656 bytes, d_qk 576),
+        is_fp8_kvcache: None (the default) means ``indices is not None``, as in FlashMLA's Hopper build.
+        enable_batch_invariant: must be False (a request's result independent of its batch is not built yet).
+        use_legacy: accepted (a bool) and ignored: FlashMLA's Hopper build selects its SM90 kernels with it;
+            mla-cute has only those.
+        descale_q, descale_k: must be None (the per-tensor FP8 cache of FlashMLA's dense FP8 kernel is not
+            built yet).
+        kv_format: the sparse cache's format (``mla_cute.kv_formats``): "V32" (656 bytes, d_qk 576),
             "V32_NO_ROPE" (528), "V4" (584), "V41" (528), "V41_PAGED" (528: V41 page-blocked), with q's head_dim
             512 for all but V32; None: as the bytes per token name it (528: V41).  Both backends read every one.
         extra_k_cache / extra_indices_in_kvcache / extra_topk_length: a second quantized cache (its own page
@@ -272,6 +284,10 @@ def flash_mla_with_kvcache(
     """
     if type(causal) is not bool:  # a numpy bool becomes a bool; anything else is a TypeError (before any work)
         causal = V.check_causal(causal)
+    if is_fp8_kvcache is None:  # FlashMLA's Hopper build: inferred from indices
+        is_fp8_kvcache = indices is not None
+    if enable_batch_invariant is not False or use_legacy is not False or descale_q is not None or descale_k is not None:
+        _check_hopper_build_arguments(enable_batch_invariant, use_legacy, descale_q, descale_k)
     # Asked once a call: the one query of the capture state on the replay path, reused by the first call's checks.
     capturing = isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
     if (capturing and isinstance(tile_scheduler_metadata, FlashMLASchedMeta)
@@ -385,6 +401,21 @@ def flash_mla_with_kvcache(
     return out, lse
 
 
+def _check_hopper_build_arguments(enable_batch_invariant, use_legacy, descale_q, descale_k) -> None:
+    """The arguments of FlashMLA's Hopper build beyond the upstream interface: ``use_legacy`` a bool (ignored),
+    the others refused until their kernels exist."""
+    if type(use_legacy) is not bool:
+        raise TypeError(f"use_legacy must be a bool, got {V.type_name(use_legacy)}")
+    if type(enable_batch_invariant) is not bool:
+        raise TypeError(f"enable_batch_invariant must be a bool, got {V.type_name(enable_batch_invariant)}")
+    if enable_batch_invariant:
+        raise NotImplementedError("enable_batch_invariant=True: batch-invariant decode is not built yet; pass False")
+    for name, val in (("descale_q", descale_q), ("descale_k", descale_k)):
+        if val is not None:
+            raise NotImplementedError(f"{name}: dense decode over the per-tensor FP8 cache (descale_q / descale_k) "
+                                      "is not built yet; pass None")
+
+
 def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
                   schedule, backend):
     """The launch of a dense call whose every checked fact matches the last call that passed all checks.
@@ -468,9 +499,11 @@ def flash_mla_sparse_fwd(
     d_v: int = 512,
     attn_sink: Optional[torch.Tensor] = None,
     topk_length: Optional[torch.Tensor] = None,
+    use_legacy: bool = False,
+    return_log2_lse: Optional[bool] = None,
     *,
     backend: Optional[str] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Sparse prefill attention.
 
     q: ``[s_q, h_q, d_qk]`` bf16 with d_qk 576 (512 latent + 64 RoPE features, DeepSeek V3.2) or 512 (the
@@ -486,19 +519,33 @@ def flash_mla_sparse_fwd(
     prefill over the dequantized cache, which the kernel dequantizes as it gathers the rows, so no bf16 copy
     of the top-k rows is made.
 
+    use_legacy (FlashMLA's Hopper build): accepted (a bool) and ignored.  return_log2_lse: None (the default)
+    returns max_logits and lse as below; False returns None for both; True returns both in base 2 (times
+    log2(e)), as FlashMLA's SM90 kernel writes them.
+
     Returns (out ``[s_q, h_q, 512]`` bf16, max_logits ``[s_q, h_q]`` float32 (max of
     scaled scores, -inf when nothing is valid), lse ``[s_q, h_q]`` float32, natural
     log, +inf when nothing is valid).
     """
+    if type(use_legacy) is not bool:
+        raise TypeError(f"use_legacy must be a bool, got {V.type_name(use_legacy)}")
+    if return_log2_lse is not None and type(return_log2_lse) is not bool:
+        raise TypeError(f"return_log2_lse must be None or a bool, got {V.type_name(return_log2_lse)}")
     V.check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length)
     sm_scale = V.check_scale("sm_scale", sm_scale)
     kind = select_backend(q.device, backend)
     if kind == "reference":
-        return reference.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-    if kv.dim() == 4:  # the paged FP8 cache
+        out = reference.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    elif kv.dim() == 4:  # the paged FP8 cache
         cute.check_sparse_supported(kv, "V32", "kv")
-        return cute.sparse_prefill_fp8(q, kv, indices, sm_scale, attn_sink, topk_length)
-    return cute.sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length)
+        out = cute.sparse_prefill_fp8(q, kv, indices, sm_scale, attn_sink, topk_length)
+    else:
+        out = cute.sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length)
+    if return_log2_lse is None:
+        return out
+    if not return_log2_lse:
+        return out[0], None, None
+    return out[0], out[1].mul_(_LOG2_E), out[2].mul_(_LOG2_E)
 
 
 def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens, causal, schedule,
