@@ -236,6 +236,7 @@ def flash_mla_with_kvcache(
     *,
     backend: Optional[str] = None,
     schedule: Optional[DenseDecodeSchedule] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """MLA decode attention over a paged cache (dense, or sparse over the FP8 cache).
 
@@ -274,6 +275,8 @@ def flash_mla_with_kvcache(
             format (V41_FP4: the reference backend only).
         backend: ``"cute"`` or ``"reference"`` (keyword only; default by device, or the
             ``MLA_CUTE_BACKEND`` environment variable).
+        out (keyword): ``[b, s_q, h_q, 512]`` of q's dtype, contiguous, 16-byte aligned: the output is written
+            there (the kernels write it in place, no copy; inside a CUDA graph too) and returned.
         schedule: a ``mla_cute.schedules.DenseDecodeSchedule`` for the dense cute kernel
             (keyword only; default: the one set by :func:`use_schedule`, else the default
             schedule).  A metadata object keeps the schedule it was first used with.
@@ -303,11 +306,11 @@ def flash_mla_with_kvcache(
         if (indices is None and attn_sink is None and topk_length is None and kv_format is None
                 and extra_k_cache is None and extra_indices_in_kvcache is None and extra_topk_length is None):
             done = _replay_dense(tile_scheduler_metadata, q, k_cache, block_table, cache_seqlens, head_dim_v,
-                                 softmax_scale, causal, is_fp8_kvcache, schedule, backend)
+                                 softmax_scale, causal, is_fp8_kvcache, schedule, backend, out)
         else:
             done = _replay_sparse(tile_scheduler_metadata, q, k_cache, block_table, cache_seqlens, head_dim_v,
                                   softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length,
-                                  kv_format, schedule, backend, extra)
+                                  kv_format, schedule, backend, extra, out)
         if done is not None:
             return done
     if num_splits is not None:
@@ -329,6 +332,8 @@ def flash_mla_with_kvcache(
         if block_table is None or cache_seqlens is None:
             raise ValueError("block_table and cache_seqlens are required for dense decode (indices=None)")
         V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache)
+        if out is not None:
+            V.check_out(out, (*q.shape[:3], head_dim_v), q.dtype, q.device)
         kind = select_backend(q.device, backend)
         sched = _resolve_schedule(schedule, DenseDecodeSchedule)
         if kind == "cute":
@@ -350,10 +355,11 @@ def flash_mla_with_kvcache(
                     _fill_reference_metadata(tile_scheduler_metadata, q, k_cache, cache_seqlens, masked, sched,
                                              host_lengths)
                 cache = dequantize_kv_cache(k_cache) if is_fp8_kvcache else k_cache
-                return reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, masked, head_dim_v)
+                return _into(out, reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, masked,
+                                                         head_dim_v))
             out, lse = cute.dense_decode(
                 q, k_cache, block_table, cache_seqlens, softmax_scale, masked, tile_scheduler_metadata, first, sched,
-                host_lengths,
+                host_lengths, out,
             )
         # The facts hold the argument as given (the replay compares it), not the mask.
         tile_scheduler_metadata._replay = cute.replay_plan(
@@ -367,6 +373,8 @@ def flash_mla_with_kvcache(
     fmt, extra_fmt = V.check_sparse_decode(
         q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal, kv_format,
         (extra_k_cache, extra_indices_in_kvcache, extra_topk_length) if given else None)
+    if out is not None:
+        V.check_out(out, (*q.shape[:3], head_dim_v), q.dtype, q.device)
     kind = select_backend(q.device, backend)
     sched = _resolve_schedule(schedule, SparseDecodeSchedule)
     if kind == "cute":
@@ -388,12 +396,12 @@ def flash_mla_with_kvcache(
             if first:
                 _fill_sparse_reference_metadata(tile_scheduler_metadata, q, indices.shape[-1], topk_length, sched)
             extra = (extra_k_cache, extra_fmt, extra_indices_in_kvcache, extra_topk_length) if given else None
-            return reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink, head_dim_v,
-                                               fmt, extra)
+            return _into(out, reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink,
+                                                          head_dim_v, fmt, extra))
         extra = (extra_k_cache, extra_fmt, extra_indices_in_kvcache, extra_topk_length) if given else None
         out, lse = cute.sparse_decode(
             q, k_cache, indices, topk_length, attn_sink, softmax_scale, tile_scheduler_metadata, first, sched, fmt,
-            extra,
+            extra, out,
         )
     tile_scheduler_metadata._replay = cute.replay_sparse_plan(
         tile_scheduler_metadata, q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
@@ -416,8 +424,16 @@ def _check_hopper_build_arguments(enable_batch_invariant, use_legacy, descale_q,
                                       "is not built yet; pass None")
 
 
+def _into(out: Optional[torch.Tensor], result: tuple) -> tuple:
+    """A reference result with its first tensor written into the caller's ``out`` (when given)."""
+    if out is None:
+        return result
+    out.copy_(result[0])
+    return (out, *result[1:])
+
+
 def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
-                  schedule, backend):
+                  schedule, backend, out=None):
     """The launch of a dense call whose every checked fact matches the last call that passed all checks.
 
     Returns None (the full path then checks and reports) when anything differs: a tensor's shape,
@@ -438,11 +454,13 @@ def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, soft
     if (facts != plan.facts or _lengths_key(cache_seqlens) != meta._lengths_key
             or not _replay_schedule_and_backend(plan, schedule, DenseDecodeSchedule, backend)):
         return None
-    return cute.replay_dense(plan, q, k_cache, block_table, cache_seqlens, meta, scale)
+    if out is not None:
+        V.check_out(out, (*q.shape[:3], head_dim_v), q.dtype, q.device)
+    return cute.replay_dense(plan, q, k_cache, block_table, cache_seqlens, meta, scale, out)
 
 
 def _replay_sparse(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
-                   indices, attn_sink, topk_length, kv_format, schedule, backend, extra):
+                   indices, attn_sink, topk_length, kv_format, schedule, backend, extra, out=None):
     """The launch of a sparse decode call whose every checked fact matches the last call that passed
     all checks (as ``_replay_dense``: None sends the call down the checked path); ``extra``: (extra_k_cache,
     extra_indices_in_kvcache, extra_topk_length) as given."""
@@ -465,8 +483,10 @@ def _replay_sparse(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, sof
     scale = _replay_scale(softmax_scale, q.shape[-1] ** -0.5)  # equal facts: q is the checked call's 4-d tensor
     if scale is None:
         return None
+    if out is not None:
+        V.check_out(out, (*q.shape[:3], head_dim_v), q.dtype, q.device)
     return cute.launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, scale, meta,
-                              plan.extra_args(extra))
+                              plan.extra_args(extra), out)
 
 
 def _replay_scale(softmax_scale, default: float) -> Optional[float]:
@@ -503,6 +523,7 @@ def flash_mla_sparse_fwd(
     return_log2_lse: Optional[bool] = None,
     *,
     backend: Optional[str] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Sparse prefill attention.
 
@@ -521,7 +542,8 @@ def flash_mla_sparse_fwd(
 
     use_legacy (FlashMLA's Hopper build): accepted (a bool) and ignored.  return_log2_lse: None (the default)
     returns max_logits and lse as below; False returns None for both; True returns both in base 2 (times
-    log2(e)), as FlashMLA's SM90 kernel writes them.
+    log2(e)), as FlashMLA's SM90 kernel writes them.  out (keyword): ``[s_q, h_q, 512]`` bf16, contiguous, 16-byte
+    aligned: the output is written there in place and returned.
 
     Returns (out ``[s_q, h_q, 512]`` bf16, max_logits ``[s_q, h_q]`` float32 (max of
     scaled scores, -inf when nothing is valid), lse ``[s_q, h_q]`` float32, natural
@@ -533,19 +555,21 @@ def flash_mla_sparse_fwd(
         raise TypeError(f"return_log2_lse must be None or a bool, got {V.type_name(return_log2_lse)}")
     V.check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length)
     sm_scale = V.check_scale("sm_scale", sm_scale)
+    if out is not None:
+        V.check_out(out, (*q.shape[:2], d_v), q.dtype, q.device)
     kind = select_backend(q.device, backend)
     if kind == "reference":
-        out = reference.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        res = _into(out, reference.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length))
     elif kv.dim() == 4:  # the paged FP8 cache
         cute.check_sparse_supported(kv, "V32", "kv")
-        out = cute.sparse_prefill_fp8(q, kv, indices, sm_scale, attn_sink, topk_length)
+        res = cute.sparse_prefill_fp8(q, kv, indices, sm_scale, attn_sink, topk_length, out)
     else:
-        out = cute.sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length)
+        res = cute.sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out)
     if return_log2_lse is None:
-        return out
+        return res
     if not return_log2_lse:
-        return out[0], None, None
-    return out[0], out[1].mul_(_LOG2_E), out[2].mul_(_LOG2_E)
+        return res[0], None, None
+    return res[0], res[1].mul_(_LOG2_E), res[2].mul_(_LOG2_E)
 
 
 def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens, causal, schedule,

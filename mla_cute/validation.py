@@ -98,6 +98,17 @@ def check_same_device(ref_name: str, ref: torch.Tensor, **others) -> None:
             raise ValueError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {t.device}")
 
 
+def check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """The caller's ``out`` tensor, which the kernels write in place: ``shape``, ``dtype``, ``device``, contiguous
+    with a 16-byte aligned base (a slice of a larger buffer along its first dimension is)."""
+    check_tensor("out", out)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(f"out must be a {dtype} tensor of shape {list(shape)} on {device}, got {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
+    if not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError(f"out must be contiguous with a 16-byte aligned base, got strides {list(out.stride())}")
+
+
 def check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache) -> None:
     """Shapes, dtypes and devices of a dense decode call (no tensor values read)."""
     check_tensor("q", q, dim=4, dtypes=HALF_DTYPES)

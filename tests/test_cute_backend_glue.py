@@ -1121,3 +1121,47 @@ def test_sparse_call_reuse_and_replay_under_inference_mode(sparse_api_on_cute, m
         other[1] -= 1
         with pytest.raises(ValueError, match="cache_seqlens/topk_length values"):
             _sparse_call(q, k_cache, indices, meta, topk_length=other)
+
+
+# ------------------------------------------------------------------ out= (written in place)
+def test_dense_out_is_what_the_step_writes_checked_and_replayed(api_on_cute):
+    from mla_cute.api import get_mla_metadata
+
+    q, k_cache, block_table, seqlens = _inputs()
+    meta = get_mla_metadata()[0]
+    buf = torch.empty(5, 2, 12, 512, dtype=q.dtype)  # an engine's buffer, sliced along its first dimension
+    for _ in range(2):  # checked, then replayed
+        out, _ = _call(q, k_cache, block_table, seqlens, meta, causal=True, out=buf[:3])
+        assert out.data_ptr() == buf.data_ptr() and api_on_cute["steps"][-1][6] is out
+    assert api_on_cute["checks"] == 1
+
+
+def test_sparse_out_is_what_the_step_writes_checked_and_replayed(sparse_api_on_cute):
+    from mla_cute.api import get_mla_metadata
+
+    q, k_cache, indices, kw = _two_cache_inputs()
+    meta = get_mla_metadata()[0]
+    for _ in range(2):
+        mine = torch.empty(3, 2, 64, 512, dtype=torch.bfloat16)
+        out, _ = _sparse_call(q, k_cache, indices, meta, out=mine, **kw)
+        assert out is mine and sparse_api_on_cute["steps"][-1][9] is mine
+    assert sparse_api_on_cute["checks"] == 1
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: torch.empty(3, 2, 64, 256, dtype=torch.bfloat16), "shape"),
+    (lambda: torch.empty(3, 2, 64, 512, dtype=torch.float16), "dtype|float16"),
+    (lambda: torch.empty(3, 2, 512, 64, dtype=torch.bfloat16).transpose(2, 3), "contiguous"),
+    (lambda: torch.empty(3 * 2 * 64 * 512 + 1, dtype=torch.bfloat16)[1:].view(3, 2, 64, 512), "aligned"),
+    (lambda: "out", "torch.Tensor"),
+])
+def test_out_is_checked_on_every_call_before_any_launch(sparse_api_on_cute, bad, match):
+    from mla_cute.api import get_mla_metadata
+
+    q, k_cache, indices, kw = _two_cache_inputs()
+    meta = get_mla_metadata()[0]
+    _sparse_call(q, k_cache, indices, meta, **kw)  # a replayable plan: the bad out is caught on the replay path too
+    steps = len(sparse_api_on_cute["steps"])
+    with pytest.raises((ValueError, TypeError), match=match):
+        _sparse_call(q, k_cache, indices, meta, out=bad(), **kw)
+    assert len(sparse_api_on_cute["steps"]) == steps

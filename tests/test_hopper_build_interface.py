@@ -93,3 +93,20 @@ def test_flash_mla_module_serves_flashmlas_names():
     assert flash_mla.flash_mla_sparse_fwd is mla_cute.flash_mla_sparse_fwd
     meta, none = flash_mla.get_mla_metadata()
     assert isinstance(meta, flash_mla.FlashMLASchedMeta) and none is None
+
+
+def test_out_on_the_reference_backend_decode_and_prefill():
+    q, cache, indices, sink = _sparse_case()
+    ref, lse = mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, mla_cute.get_mla_metadata()[0],
+                                               indices=indices, attn_sink=sink)
+    mine = torch.full_like(ref, float("nan"))
+    out, lse2 = mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, mla_cute.get_mla_metadata()[0],
+                                                indices=indices, attn_sink=sink, out=mine)
+    assert out is mine and torch.equal(out, ref) and torch.equal(lse, lse2)
+    pq, kv, pidx = _prefill_case()
+    pref = mla_cute.flash_mla_sparse_fwd(pq, kv, pidx, 0.1)
+    pmine = torch.full_like(pref[0], float("nan"))
+    pout = mla_cute.flash_mla_sparse_fwd(pq, kv, pidx, 0.1, out=pmine)
+    assert pout[0] is pmine and torch.equal(pmine, pref[0]) and torch.equal(pout[2], pref[2])
+    with pytest.raises(ValueError, match="out must be"):
+        mla_cute.flash_mla_sparse_fwd(pq, kv, pidx, 0.1, out=pmine[:, :8])

@@ -101,9 +101,11 @@ def _reused_plan(meta, kind: str, first: bool, schedule):
     return plan
 
 
-def _outputs(plan, device):
-    """FlashMLA's out ``[b, s_q, h_q, 512]`` (q dtype) and lse ``[b, h_q, s_q]``: the kernels write them in place."""
-    out = torch.empty(plan.b, plan.s_q, plan.h_q, 512, dtype=plan.dtype, device=device)
+def _outputs(plan, device, out=None):
+    """FlashMLA's out ``[b, s_q, h_q, 512]`` (q dtype; the caller's ``out`` when given, checked by
+    ``validation.check_out``) and lse ``[b, h_q, s_q]``: the kernels write them in place."""
+    if out is None:
+        out = torch.empty(plan.b, plan.s_q, plan.h_q, 512, dtype=plan.dtype, device=device)
     lse = torch.empty(plan.b, plan.h_q, plan.s_q, dtype=torch.float32, device=device)
     return out, lse
 
@@ -143,7 +145,7 @@ class DensePlan:
 
 
 def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, meta, first,
-                 schedule: DenseDecodeSchedule, host_lengths=None):
+                 schedule: DenseDecodeSchedule, host_lengths=None, out=None):
     """``host_lengths``: ``cache_seqlens`` on the host when the caller has read them (a new plan then
     leaves out the combine if it splits no request), else None."""
     plan = _reused_plan(meta, "dense", first, schedule)
@@ -155,12 +157,12 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, 
     # replay of this call (``replay_plan``) then only re-views.  Grouped heads reorder, so they
     # always go through query_rows.
     plan.q_rows = tuple(rows.shape) if plan.h_kv == 1 and rows.data_ptr() == q.data_ptr() else None
-    return _launch(plan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, q.device)
+    return _launch(plan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, q.device, out)
 
 
-def _launch(plan: DensePlan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, device):
-    """Allocate the outputs and run the compiled step (split + combine) once."""
-    out, lse = _outputs(plan, device)
+def _launch(plan: DensePlan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, device, out=None):
+    """Allocate the outputs (``out``: the caller's) and run the compiled step (split + combine) once."""
+    out, lse = _outputs(plan, device, out)
     plan.step(
         rows, k_cache, block_table, cache_seqlens, *plan.records, meta.num_splits, out, lse,
         plan.o_accum, plan.lse_accum, softmax_scale * _LOG2_E,
@@ -186,11 +188,11 @@ def replay_plan(meta, q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcach
     return plan
 
 
-def replay_dense(plan: DensePlan, q, k_cache, block_table, cache_seqlens, meta, softmax_scale):
+def replay_dense(plan: DensePlan, q, k_cache, block_table, cache_seqlens, meta, softmax_scale, out=None):
     """The launch of ``dense_decode`` for a call ``replay_plan`` vouched for: equal facts make the
     rows the same view of q, or the same reordered copy."""
     rows = q.view(plan.q_rows) if plan.q_rows is not None else query_rows(q, plan.h_kv)
-    return _launch(plan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, q.device)
+    return _launch(plan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, q.device, out)
 
 
 def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeSchedule) -> None:
@@ -341,7 +343,7 @@ class SparsePlan:
 
 
 def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
-                  schedule: SparseDecodeSchedule, kv_format: str = "V32", extra=None):
+                  schedule: SparseDecodeSchedule, kv_format: str = "V32", extra=None, out=None):
     """``extra``: (extra_k_cache, its format, extra_indices_in_kvcache, extra_topk_length), or None."""
     has_sink = attn_sink is not None
     plan = _reused_plan(meta, "sparse", first, schedule)
@@ -353,13 +355,14 @@ def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, me
             "attn_sink must be given on every call with this tile_scheduler_metadata or on none "
             f"(first call: {'given' if plan.has_sink else 'None'})"
         )
-    return launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, extra)
+    return launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, extra, out)
 
 
-def launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, extra=None):
+def launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, extra=None,
+                  out=None):
     """Allocate the outputs and run the compiled sparse step once (``sparse_decode``, and the replay of a
     call ``replay_sparse_plan`` vouched for)."""
-    out, lse = _outputs(plan, q.device)
+    out, lse = _outputs(plan, q.device, out)
     two = (None, None, None)
     if extra is not None:
         extra_cache, extra_format, extra_indices, extra_topk_length = extra
@@ -423,8 +426,9 @@ def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_to
 
 
 # ---------------------------------------------------------------- sparse prefill
-def sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length):
-    """out, max_logits, lse of ``flash_mla_sparse_fwd`` from the prefill kernel (one launch)."""
+def sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out=None):
+    """out (the caller's ``out`` when given), max_logits, lse of ``flash_mla_sparse_fwd`` from the prefill kernel
+    (one launch)."""
     from ..kernels.build import compile_sparse_prefill
 
     s_q, h_q, d_qk = q.shape
@@ -432,7 +436,8 @@ def sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length):
                                   has_topk_length=topk_length is not None,
                                   device=DeviceFacts(num_sms=num_sms(q.device)))
     kernel = compile_sparse_prefill(call.config)
-    out = torch.empty(s_q, h_q, 512, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(s_q, h_q, 512, dtype=q.dtype, device=q.device)
     max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(max_logits)
     rows = kv.select(1, 0)
@@ -487,7 +492,7 @@ def _unused_partials(h_q: int, device):
     return _UNUSED_PARTIALS[key]
 
 
-def sparse_prefill_fp8(q, k_cache, indices, sm_scale, attn_sink, topk_length):
+def sparse_prefill_fp8(q, k_cache, indices, sm_scale, attn_sink, topk_length, out=None):
     """out, max_logits, lse of ``flash_mla_sparse_fwd`` over the paged FP8 cache: the sparse decode kernel with
     each query token a request of one position (``resolve_sparse_prefill_fp8``), every token served whole by
     one part (``whole_token_plan``), max_logits written beside lse (one launch, no combine)."""
@@ -499,7 +504,8 @@ def sparse_prefill_fp8(q, k_cache, indices, sm_scale, attn_sink, topk_length):
                                       device=DeviceFacts(num_sms=num_sms(q.device)))
     kernel = compile_sparse(call.step)
     records, splits = _whole_plan(s_q, call.parts, q.device)
-    out = torch.empty(s_q, h_q, 512, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(s_q, h_q, 512, dtype=q.dtype, device=q.device)
     max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(max_logits)
     o_accum, lse_accum = _unused_partials(h_q, q.device)
