@@ -103,6 +103,18 @@ def test_extra_cache_corners(fmt):
                              seed=13))
 
 
+def _replay_and_check(graph, out, lse, kw, case):
+    """Replay ``graph`` (which writes ``out`` and ``lse``) and compare them with the reference on ``case``."""
+    import mla_cute
+
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(
+        tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], backend="reference", **kw, **case)
+    assert_close_flashmla("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS)
+    assert_close_flashmla("lse", lse, ref_lse, LSE_ABS, LSE_REL)
+
+
 def test_extra_cache_cuda_graph_replay():
     import mla_cute
 
@@ -121,12 +133,7 @@ def test_extra_cache_cuda_graph_replay():
                            lengths=[128] * 8 + [3] * 8, seed=seed + 10)
         for k in ("q", "k_cache", "indices", "extra_k_cache", "extra_indices_in_kvcache"):
             case[k].copy_(fresh[k])
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(
-            tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], backend="reference", **kw, **case)
-        assert_close_flashmla("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS)
-        assert_close_flashmla("lse", lse, ref_lse, LSE_ABS, LSE_REL)
+        _replay_and_check(graph, out, lse, kw, case)
 
 
 @pytest.mark.parametrize("h_q", [64, 128])
@@ -170,9 +177,4 @@ def test_extra_cache_graph_replays_lengths_written_in_place(h_q):
     for _ in range(2):
         case["topk_length"].copy_(torch.randint(0, 129, (b,), generator=gen))
         case["extra_topk_length"].copy_(torch.randint(0, 1025, (b,), generator=gen))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(
-            tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], backend="reference", **kw, **case)
-        assert_close_flashmla("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS)
-        assert_close_flashmla("lse", lse, ref_lse, LSE_ABS, LSE_REL)
+        _replay_and_check(graph, out, lse, kw, case)
