@@ -2,6 +2,23 @@
 
 Errors name the argument, what was given and what is expected.  TypeError for a
 wrong type or dtype, ValueError for a wrong value, shape or device.
+
+Values (the contents of ``block_table``, ``cache_seqlens``, ``indices``, ``topk_length`` and
+``extra_topk_length``) are checked only where a call reads them on the host anyway, so that no check
+costs a host sync of its own:
+
+- Dense decode's first call with a metadata object (outside a CUDA graph capture) reads ``cache_seqlens``
+  for its plan: ``check_dense_values`` refuses there, on both backends, a negative length, a length past
+  what the block table covers, and a block id outside ``[0, num_blocks)`` that a length uses.
+- Nothing else is read on the host: later calls with that metadata (a new block table or cache, lengths
+  written where the version counter does not see it), CUDA graph replays, and every sparse call (sparse
+  decode plans on the device; prefill plans nothing).  There the kernels take each value within its range,
+  and the reference backend takes it the same way: a length within ``[0, block_table.shape[1] *
+  page_block_size]`` (a negative one attends to nothing), a used block id outside the cache reads keys and
+  values of zeros (zero scores in the softmax), ``topk_length`` and ``extra_topk_length`` within
+  ``[0, topk]`` (a negative one counts no index, one past topk all of them), an index outside the cache is
+  skipped.  The reference backend holds these values on the host but does not refuse them: it is the
+  specification the kernels are tested against, so both backends give one result for any value.
 """
 
 from __future__ import annotations
@@ -175,6 +192,24 @@ def check_dense_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, p
             f"[0, num_blocks={num_blocks})"
         )
     return host[4:]
+
+
+def sink_presence_error(first_had_sink: bool) -> ValueError:
+    """The error of a call that gives ``attn_sink`` where the metadata's first call did not, or the reverse: the
+    plan (the kernel, its workspace) is made for one or the other."""
+    return ValueError(
+        "attn_sink must be given on every call with this tile_scheduler_metadata or on none "
+        f"(first call: {'given' if first_had_sink else 'None'})"
+    )
+
+
+def check_sink_presence(meta, has_sink: bool, first: bool) -> None:
+    """Sparse decode's ``attn_sink`` given on every call with one metadata object or on none, whatever the
+    backend: the first call (``first``) records it in the metadata's state, a later one must match."""
+    if first or "attn_sink" not in meta._state:
+        meta._state["attn_sink"] = has_sink
+    elif meta._state["attn_sink"] != has_sink:
+        raise sink_presence_error(meta._state["attn_sink"])
 
 
 def _check_topk_length_and_sink(topk_length, length_shape: tuple, length_what: str, attn_sink, h_q: int) -> None:

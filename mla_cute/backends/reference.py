@@ -63,21 +63,29 @@ def dense_decode(
     causal: bool,
     head_dim_v: int = D_LATENT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense paged decode. Shapes as in ``mla_cute.flash_mla_with_kvcache``."""
+    """Dense paged decode. Shapes as in ``mla_cute.flash_mla_with_kvcache``.
+
+    Values no check saw read as the kernels read them (``mla_cute.validation``'s rule for values): each length is
+    taken within ``[0, block_table.shape[1] * page_block_size]``, and a used block id outside
+    ``[0, num_blocks)`` reads keys and values of zeros (zero scores in the softmax)."""
     b, s_q, h_q, d = q.shape
-    page, h_kv = k_cache.shape[1], k_cache.shape[2]
+    num_blocks, page, h_kv = k_cache.shape[:3]
+    covered = block_table.shape[1] * page  # tokens a block-table row covers
     group = h_q // h_kv
     out = q.new_zeros(b, s_q, h_q, head_dim_v)
     lse = torch.full((b, h_q, s_q), _INF, dtype=torch.float32, device=q.device)
     # Row r of a KV head's rows [s_q * group] is query token r // group, head r % group of the head's group.
     token = torch.arange(s_q, device=q.device).repeat_interleave(group).unsqueeze(1)  # [rows, 1]
-    for i, n in enumerate(cache_seqlens.tolist()):
+    for i, n in enumerate(cache_seqlens.long().clamp(0, covered).tolist()):
         rows = q[i].float().reshape(s_q, h_kv, group, d).transpose(0, 1).reshape(h_kv, s_q * group, d)
 
         def chunks(i=i, n=n):
             for start in range(0, n, _CHUNK):
                 pos = torch.arange(start, min(start + _CHUNK, n), device=q.device)
-                keys = k_cache[block_table[i, pos // page].long(), pos % page]  # [c, h_kv, d]
+                ids = block_table[i, pos // page].long()
+                inside = ((ids >= 0) & (ids < num_blocks)).view(-1, 1, 1)
+                keys = k_cache[torch.where(inside.view(-1), ids, 0), pos % page]  # [c, h_kv, d]
+                keys = torch.where(inside, keys, 0.0)  # a block outside the cache reads zeros (as the TMA does)
                 # Bottom-right aligned: query t sees keys [0, n - (s_q - 1 - t)).
                 visible = pos < n - (s_q - 1 - token) if causal and s_q > 1 else None
                 yield keys.float().transpose(0, 1), visible
