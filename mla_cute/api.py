@@ -389,6 +389,7 @@ def flash_mla_with_kvcache(
         extra_kv_format=extra_fmt,
     )
     first = _check_metadata(tile_scheduler_metadata, config, topk_length, extra_topk_length)
+    V.check_sink_presence(tile_scheduler_metadata, attn_sink is not None, first)
     if first:
         _bind_metadata(tile_scheduler_metadata, config, capturing, topk_length, extra_topk_length)
     with _unbind_on_error(tile_scheduler_metadata, first):

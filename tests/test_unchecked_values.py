@@ -188,8 +188,6 @@ def test_sink_presence_error_is_the_cute_backends():
     assert words in inspect.getsource(cute) or "sink_presence_error" in inspect.getsource(cute)
 
 
-@pytest.mark.xfail(strict=True, reason="flash_mla_with_kvcache's reference path does not call "
-                                       "validation.check_sink_presence yet")
 @pytest.mark.parametrize("first_sink", [True, False])
 def test_reference_refuses_a_changed_sink_presence(first_sink):
     meta = mla_cute.get_mla_metadata()[0]

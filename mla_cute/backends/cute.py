@@ -16,6 +16,7 @@ import torch
 
 from ..device import device_facts, num_sms
 from ..kv_formats import BYTES_PER_TOKEN, PAGE_BLOCKED, page_rows
+from ..validation import sink_presence_error
 from ..schedules.configs import WriteCacheConfig
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.planner import whole_token_plan
@@ -351,10 +352,7 @@ def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, me
         plan = meta._state["sparse"] = SparsePlan(q, indices.shape[-1], topk_length, has_sink, schedule, meta,
                                                   kv_format, extra)
     elif plan.has_sink != has_sink:
-        raise ValueError(
-            "attn_sink must be given on every call with this tile_scheduler_metadata or on none "
-            f"(first call: {'given' if plan.has_sink else 'None'})"
-        )
+        raise sink_presence_error(plan.has_sink)
     return launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, extra, out)
 
 
