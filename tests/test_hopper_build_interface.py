@@ -110,3 +110,16 @@ def test_out_on_the_reference_backend_decode_and_prefill():
     assert pout[0] is pmine and torch.equal(pmine, pref[0]) and torch.equal(pout[2], pref[2])
     with pytest.raises(ValueError, match="out must be"):
         mla_cute.flash_mla_sparse_fwd(pq, kv, pidx, 0.1, out=pmine[:, :8])
+
+
+def test_api_reference_covers_every_public_name_and_argument():
+    """docs/api.md names every public function of the package and every argument of the two attention calls."""
+    import inspect
+    import pathlib
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    for name in mla_cute.__all__:
+        assert f"`{name}" in text, name
+    for fn in (mla_cute.flash_mla_with_kvcache, mla_cute.flash_mla_sparse_fwd):
+        for arg in inspect.signature(fn).parameters:
+            assert f"`{arg}`" in text, (fn.__name__, arg)
