@@ -143,6 +143,13 @@ def _check_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, l
             f"tile_scheduler_metadata must be a FlashMLASchedMeta (from get_mla_metadata()), got {type(meta).__name__}"
         )
     if not meta.have_initialized:
+        if meta.tile_scheduler_metadata is not None or meta.num_splits is not None:
+            # Tensors a caller put on an empty object (a plan made elsewhere): the kernels would run their own
+            # plan over them, which is not what the caller asked for.
+            raise ValueError(
+                "tile_scheduler_metadata: an empty FlashMLASchedMeta carries tile_scheduler_metadata / num_splits "
+                "tensors made outside mla-cute; mla-cute plans the split itself: pass get_mla_metadata()[0] as it is"
+            )
         return True
     if meta.config != config:
         diffs = [

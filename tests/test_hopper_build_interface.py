@@ -123,3 +123,16 @@ def test_api_reference_covers_every_public_name_and_argument():
     for fn in (mla_cute.flash_mla_with_kvcache, mla_cute.flash_mla_sparse_fwd):
         for arg in inspect.signature(fn).parameters:
             assert f"`{arg}`" in text, (fn.__name__, arg)
+
+
+@pytest.mark.parametrize("field", ["tile_scheduler_metadata", "num_splits"])
+def test_metadata_tensors_put_on_an_empty_object_are_refused(field):
+    """An engine that fills an empty object's tensors itself (vLLM's batch-invariant mode) gets an error, not a plan
+    of mla-cute's in their place."""
+    q, cache, indices, sink = _sparse_case()
+    meta = mla_cute.get_mla_metadata()[0]
+    setattr(meta, field, torch.zeros(1, 8, dtype=torch.int32) if field == "tile_scheduler_metadata"
+            else torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="made outside mla-cute"):
+        mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, indices=indices)
+    assert not meta.have_initialized
