@@ -300,13 +300,9 @@ def flash_mla_with_kvcache(
         _check_hopper_build_arguments(enable_batch_invariant, use_legacy, descale_q, descale_k)
     # Asked once a call: the one query of the capture state on the replay path, reused by the first call's checks.
     capturing = isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
-    if (capturing and isinstance(tile_scheduler_metadata, FlashMLASchedMeta)
-            and tile_scheduler_metadata.have_initialized and not tile_scheduler_metadata._in_capture):
-        raise ValueError(
-            "tile_scheduler_metadata was computed outside this CUDA graph capture, for the lengths of that call; "
-            "its replays would reuse that plan whatever lengths they find: call get_mla_metadata() inside the "
-            "capture and pass the new object"
-        )
+    if (isinstance(tile_scheduler_metadata, FlashMLASchedMeta) and tile_scheduler_metadata.have_initialized
+            and capturing != tile_scheduler_metadata._in_capture):
+        _refuse_across_capture(capturing)
     if (num_splits is None and type(tile_scheduler_metadata) is FlashMLASchedMeta
             and tile_scheduler_metadata._replay is not None):
         extra = (extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
@@ -415,6 +411,23 @@ def flash_mla_with_kvcache(
         tile_scheduler_metadata, q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
         causal, is_fp8_kvcache, kv_format, (extra_k_cache, extra_indices_in_kvcache, extra_topk_length))
     return out, lse
+
+
+def _refuse_across_capture(capturing: bool) -> None:
+    """A metadata object serves the calls on its side of a CUDA graph capture: one planned outside a capture is
+    not used inside one (the graph's replays would reuse that plan whatever lengths they find), and one planned
+    inside a capture not outside it (its plan is made again only by that graph's replays)."""
+    if capturing:
+        raise ValueError(
+            "tile_scheduler_metadata was computed outside this CUDA graph capture, for the lengths of that call; "
+            "its replays would reuse that plan whatever lengths they find: call get_mla_metadata() inside the "
+            "capture and pass the new object"
+        )
+    raise ValueError(
+        "tile_scheduler_metadata was computed inside a CUDA graph capture: only that graph's replays plan its "
+        "lengths again, so a call outside the graph would reuse a plan made for other lengths; call "
+        "get_mla_metadata() for calls outside the graph"
+    )
 
 
 def _check_hopper_build_arguments(enable_batch_invariant, use_legacy, descale_q, descale_k) -> None:

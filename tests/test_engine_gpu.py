@@ -145,6 +145,32 @@ def test_metadata_computed_outside_a_capture_is_refused_inside_one(kind):
         _check(call(meta), ref)
 
 
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_metadata_computed_inside_a_capture_is_refused_outside_it(kind):
+    """A metadata object planned inside a capture is planned again only by that graph's replays: the graph serves
+    its lengths, and a call outside the graph with the object is refused before any launch."""
+    import mla_cute
+
+    if kind == "dense":
+        case = _inference_copy(make_dense_case(4, 1, 600, 64, 1, varlen=True))
+        call, ref = (lambda meta: _dense(case, meta, False)), _dense_ref(case, False)
+    else:
+        case = _inference_copy(make_sparse_case(4, 1, 64, 1024, 512, 64, topk_length=[512, 3, 0, 200], seed=8))
+        call, ref = (lambda meta: _sparse(case, meta)), _sparse_ref(case)
+    with torch.inference_mode():
+        call(mla_cute.get_mla_metadata()[0])  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            meta = mla_cute.get_mla_metadata()[0]
+            got = call(meta)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(got, ref)
+        with pytest.raises(ValueError, match="computed inside a CUDA graph capture"):
+            call(meta)
+
+
 # ------------------------------------------------------ values no check sees
 def _replay_only(monkeypatch):
     """Fail if a call takes the checked path: the adversarial values below must reach the kernels."""

@@ -136,3 +136,15 @@ def test_metadata_tensors_put_on_an_empty_object_are_refused(field):
     with pytest.raises(ValueError, match="made outside mla-cute"):
         mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, indices=indices)
     assert not meta.have_initialized
+
+
+def test_metadata_planned_inside_a_capture_is_refused_outside_it():
+    """A metadata object whose first call ran inside a CUDA graph capture is planned again only by that graph's
+    replays: a call outside the graph is refused before any work (the flag stands in for the capture, which needs
+    a GPU; the GPU tests capture for real)."""
+    q, cache, indices, sink = _sparse_case()
+    meta = mla_cute.get_mla_metadata()[0]
+    mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, indices=indices)
+    meta._in_capture = True
+    with pytest.raises(ValueError, match="computed inside a CUDA graph capture"):
+        mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, indices=indices)
