@@ -121,6 +121,15 @@ def test_sparse_reuse_replay_and_cuda_graph_in_inference_mode():
             _check((out, lse), _sparse_ref(case))
 
 
+def _capture_case(kind):
+    """A small dense or sparse case for the capture rules: (call(meta) -> out, lse; the reference's out, lse)."""
+    if kind == "dense":
+        case = _inference_copy(make_dense_case(4, 1, 600, 64, 1, varlen=True))
+        return (lambda meta: _dense(case, meta, False)), _dense_ref(case, False)
+    case = _inference_copy(make_sparse_case(4, 1, 64, 1024, 512, 64, topk_length=[512, 3, 0, 200], seed=8))
+    return (lambda meta: _sparse(case, meta)), _sparse_ref(case)
+
+
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
 def test_metadata_computed_outside_a_capture_is_refused_inside_one(kind):
     """A metadata object planned by an eager call holds that call's plan: a graph captured with it would replay the
@@ -128,12 +137,7 @@ def test_metadata_computed_outside_a_capture_is_refused_inside_one(kind):
     still serves eager calls after."""
     import mla_cute
 
-    if kind == "dense":
-        case = _inference_copy(make_dense_case(4, 1, 600, 64, 1, varlen=True))
-        call, ref = (lambda meta: _dense(case, meta, False)), _dense_ref(case, False)
-    else:
-        case = _inference_copy(make_sparse_case(4, 1, 64, 1024, 512, 64, topk_length=[512, 3, 0, 200], seed=8))
-        call, ref = (lambda meta: _sparse(case, meta)), _sparse_ref(case)
+    call, ref = _capture_case(kind)
     with torch.inference_mode():
         meta = mla_cute.get_mla_metadata()[0]
         _check(call(meta), ref)
@@ -151,12 +155,7 @@ def test_metadata_computed_inside_a_capture_is_refused_outside_it(kind):
     its lengths, and a call outside the graph with the object is refused before any launch."""
     import mla_cute
 
-    if kind == "dense":
-        case = _inference_copy(make_dense_case(4, 1, 600, 64, 1, varlen=True))
-        call, ref = (lambda meta: _dense(case, meta, False)), _dense_ref(case, False)
-    else:
-        case = _inference_copy(make_sparse_case(4, 1, 64, 1024, 512, 64, topk_length=[512, 3, 0, 200], seed=8))
-        call, ref = (lambda meta: _sparse(case, meta)), _sparse_ref(case)
+    call, ref = _capture_case(kind)
     with torch.inference_mode():
         call(mla_cute.get_mla_metadata()[0])  # compile outside the capture
         torch.cuda.synchronize()
