@@ -15,7 +15,7 @@ from . import validation as V
 from .backend import ENV_VAR, select_backend
 from .backends import cute, reference
 from .device import device_facts
-from .fp8 import D_QK, dequantize_kv_cache
+from .fp8 import D_LATENT, D_QK, dequantize_kv_cache
 from .kv_formats import HEAD_DIM, format_of
 from .schedules.configs import check_extra_format
 from .schedules import (
@@ -298,6 +298,9 @@ def flash_mla_with_kvcache(
         is_fp8_kvcache = indices is not None
     if enable_batch_invariant is not False or use_legacy is not False or descale_q is not None or descale_k is not None:
         _check_hopper_build_arguments(enable_batch_invariant, use_legacy, descale_q, descale_k)
+    if out is not None and isinstance(q, torch.Tensor) and q.dim() == 4 and q.dtype in V.HALF_DTYPES:
+        # Once a call, replays included (a q this skips fails its own check before any launch; head_dim_v too).
+        V.check_out(out, (*q.shape[:3], D_LATENT), q.dtype, q.device)
     # Asked once a call: the one query of the capture state on the replay path, reused by the first call's checks.
     capturing = isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
     if (isinstance(tile_scheduler_metadata, FlashMLASchedMeta) and tile_scheduler_metadata.have_initialized
@@ -335,8 +338,6 @@ def flash_mla_with_kvcache(
         if block_table is None or cache_seqlens is None:
             raise ValueError("block_table and cache_seqlens are required for dense decode (indices=None)")
         V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache)
-        if out is not None:
-            V.check_out(out, (*q.shape[:3], head_dim_v), q.dtype, q.device)
         kind = select_backend(q.device, backend)
         sched = _resolve_schedule(schedule, DenseDecodeSchedule)
         if kind == "cute":
@@ -376,8 +377,6 @@ def flash_mla_with_kvcache(
     fmt, extra_fmt = V.check_sparse_decode(
         q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal, kv_format,
         (extra_k_cache, extra_indices_in_kvcache, extra_topk_length) if given else None)
-    if out is not None:
-        V.check_out(out, (*q.shape[:3], head_dim_v), q.dtype, q.device)
     kind = select_backend(q.device, backend)
     sched = _resolve_schedule(schedule, SparseDecodeSchedule)
     if kind == "cute":
@@ -475,8 +474,6 @@ def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, soft
     if (facts != plan.facts or _lengths_key(cache_seqlens) != meta._lengths_key
             or not _replay_schedule_and_backend(plan, schedule, DenseDecodeSchedule, backend)):
         return None
-    if out is not None:
-        V.check_out(out, (*q.shape[:3], head_dim_v), q.dtype, q.device)
     return cute.replay_dense(plan, q, k_cache, block_table, cache_seqlens, meta, scale, out)
 
 
@@ -504,8 +501,6 @@ def _replay_sparse(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, sof
     scale = _replay_scale(softmax_scale, q.shape[-1] ** -0.5)  # equal facts: q is the checked call's 4-d tensor
     if scale is None:
         return None
-    if out is not None:
-        V.check_out(out, (*q.shape[:3], head_dim_v), q.dtype, q.device)
     return cute.launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, scale, meta,
                               plan.extra_args(extra), out)
 
