@@ -85,7 +85,7 @@ def main():
         combine(splits, plan.o_accum, plan.lse_accum, out, lse, None)
 
     def scheduler_only():
-        scheduler(seqlens, sched_copy, splits_copy, block_table.shape[1] * k_cache.shape[1])
+        scheduler(seqlens, None, sched_copy, splits_copy, block_table.shape[1] * k_cache.shape[1], 0)
 
     def one_alloc():
         torch.empty(b, s_q, h_q, 512, dtype=q.dtype, device="cuda")

@@ -163,7 +163,7 @@ def compile_scheduler(config: SchedulerConfig, options: str = ""):
         from . import signatures as sig
         from .scheduler import SchedulerKernel
 
-        return sig.compile_kernel(SchedulerKernel(config), sig.scheduler_signature(), options)
+        return sig.compile_kernel(SchedulerKernel(config), sig.scheduler_signature(config.lengths), options)
 
     return cached_compile((_KINDS["compile_scheduler"], config, options), build, describe=f"scheduler {config}",
                           persistent=not options)

@@ -10,8 +10,9 @@ even pieces.  ``fill_parts`` > 0: the last parts take a share of the others' blo
 fill parts).
 
 It plans the lengths as the split kernels serve them: each within ``[0, max_len]`` (the tokens a
-block-table row covers; sparse: topk), read at an index within ``[0, b)``, so whatever a lengths
-tensor holds, the records and split counts stay within the workspace.
+block-table row covers; sparse: topk, at least 1, or over two caches the main tokens' whole tiles and the
+extra tokens: ``ClampedLengths``), read at an index within ``[0, b)``, so whatever a lengths tensor holds, the
+records and split counts stay within the workspace, and no torch operation runs before the scheduler.
 """
 
 from __future__ import annotations
@@ -30,17 +31,30 @@ from .constants import BLOCK_N
 
 @dataclasses.dataclass
 class ClampedLengths:
-    """The lengths tensor as the planner reads it: ``lens[i]`` within [0, max_len], ``i`` at least 0."""
+    """The lengths as the planner reads them (``SchedulerConfig.lengths``), request ``i`` at least 0.  "dense":
+    ``lens[i]`` within [0, max_len]; "topk": within [1, max_len]; "two_caches": the main tokens within [0,
+    max_len] rounded up to whole tiles, plus ``extra[i]`` within [0, extra_max], at least 1 (the sparse kernel's
+    tiles of a request over two caches, ``sparse_tiles.py``)."""
 
     lens: Any
     max_len: Any
+    kind: str = "dense"
+    extra: Any = None
+    extra_max: Any = None
 
     @property
     def shape(self):
         return self.lens.shape
 
     def __getitem__(self, i):
-        return cutlass.min(cutlass.max(self.lens[cutlass.max(i, 0)], 0), self.max_len)
+        j = cutlass.max(i, 0)
+        if cutlass.const_expr(self.kind == "dense"):
+            return cutlass.min(cutlass.max(self.lens[j], 0), self.max_len)
+        if cutlass.const_expr(self.kind == "topk"):
+            return cutlass.min(cutlass.max(self.lens[j], 1), self.max_len)
+        main = cutlass.min(cutlass.max(self.lens[j], 0), self.max_len)
+        extra = cutlass.min(cutlass.max(self.extra[j], 0), self.extra_max)
+        return cutlass.max((main + BLOCK_N - 1) // BLOCK_N * BLOCK_N + extra, 1)
 
 
 class SchedulerKernel:
@@ -51,11 +65,17 @@ class SchedulerKernel:
         self.even_split_slack = 0 if config.fill_parts else config.even_split_slack
         self.fill_parts = config.fill_parts
         self.fill_share = config.fill_share
+        self.lengths = config.lengths
 
     @cute.jit
-    def __call__(self, mSeqlens: cute.Tensor, mSched: cute.Tensor, mNumSplits: cute.Tensor, max_len: cutlass.Int32,
-                 stream):
-        self.kernel(mSeqlens, mSched, mNumSplits, max_len).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+    def __call__(self, mSeqlens: cute.Tensor, mExtraLens: cute.Tensor, mSched: cute.Tensor, mNumSplits: cute.Tensor,
+                 max_len: cutlass.Int32, extra_max: cutlass.Int32, stream):
+        """``mExtraLens`` and ``extra_max``: the extra cache's lengths and topk with ``lengths`` "two_caches", else
+        None and 0."""
+        if cutlass.const_expr((mExtraLens is not None) != (self.lengths == "two_caches")):
+            raise ValueError(f"mExtraLens: the scheduler is built for lengths={self.lengths!r}")
+        self.kernel(mSeqlens, mExtraLens, mSched, mNumSplits, max_len, extra_max).launch(
+            grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
 
     @cute.jit
     def last_block(self, mSeqlens, req):
@@ -130,9 +150,9 @@ class SchedulerKernel:
         return lo
 
     @cute.kernel
-    def kernel(self, mLens, mSched, mNumSplits, max_len):
+    def kernel(self, mLens, mExtraLens, mSched, mNumSplits, max_len, extra_max):
         tidx, _, _ = cute.arch.thread_idx()
-        mSeqlens = ClampedLengths(mLens, max_len)
+        mSeqlens = ClampedLengths(mLens, max_len, self.lengths, mExtraLens, extra_max)
         fixed = self.fixed_cost
         if tidx == 0:
             b = mSeqlens.shape[0]

@@ -81,12 +81,17 @@ def combine_signature(config: CombineConfig, h_kv: int):
     return (num_splits, o_acc, lse_acc, out, lse, sink, make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-def scheduler_signature():
-    """Fake tensors matching ``SchedulerKernel.__call__``: lengths, records, split counts, the longest length."""
+def scheduler_signature(lengths: str = "dense"):
+    """Fake tensors matching ``SchedulerKernel.__call__``: lengths, the extra cache's lengths (``lengths``
+    "two_caches", else None), records, split counts, the longest length and the extra cache's topk."""
+    b = _sym()
+    extra = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4) if lengths == "two_caches" else None
     return (
-        make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4),
+        extra,
         _records(),
         make_fake_compact_tensor(cutlass.Int32, (_sym(),), assumed_align=4),
+        cutlass.Int32(0),
         cutlass.Int32(0),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )

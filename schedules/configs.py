@@ -12,18 +12,30 @@ import dataclasses
 
 from .planner import FILL_SHARE_ONE
 
+SCHEDULER_LENGTHS = ("dense", "topk", "two_caches")
+
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """The GPU planner's policy (``kernels/scheduler.py``; the host twin is ``planner.plan_splits``), in
     64-token blocks: the fixed cost per request piece, the slacks for whole requests and even pieces, and
-    the idle-SM fill's parts (0: none) with their share of a part's blocks, in sixteenths."""
+    the idle-SM fill's parts (0: none) with their share of a part's blocks, in sixteenths.
+
+    ``lengths``: what a request's length is made of, from the tensors the scheduler reads (``SCHEDULER_LENGTHS``):
+    "dense" cache_seqlens, each within [0, max_len]; "topk" sparse decode's topk_length, each within [1, topk];
+    "two_caches" a request's main tokens (within [0, topk]) in whole 64-token tiles, then its extra cache's
+    tokens (within [0, extra_topk]), at least 1."""
 
     fixed_cost: int
     unsplit_slack: int = 0
     even_split_slack: int = 0
     fill_parts: int = 0
     fill_share: int = FILL_SHARE_ONE
+    lengths: str = "dense"
+
+    def __post_init__(self):
+        if self.lengths not in SCHEDULER_LENGTHS:
+            raise ValueError(f"lengths must be one of {SCHEDULER_LENGTHS}, got {self.lengths!r}")
 
     def policy(self) -> tuple:
         """``plan_splits``' arguments after the part count."""

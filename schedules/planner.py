@@ -86,6 +86,22 @@ def split_policy(schedule, rows: int) -> tuple[int, int, int]:
     return schedule.split_fixed_cost, schedule.unsplit_slack * tiles, schedule.even_split_slack * tiles
 
 
+def scheduler_lengths(kind: str, lens, max_len: int, extra=None, extra_max: int = 0) -> torch.Tensor:
+    """The lengths the GPU scheduler plans over (``SchedulerConfig.lengths`` ``kind``, ``kernels/scheduler.py``),
+    from the tensors it reads, on the host: "dense" ``lens`` within [0, max_len]; "topk" within [1, max_len];
+    "two_caches" the main tokens (within [0, max_len]) in whole 64-token tiles plus ``extra`` within [0,
+    extra_max], at least 1."""
+    lens = lens.detach().cpu().long()
+    if kind == "dense":
+        return lens.clamp(0, max_len)
+    if kind == "topk":
+        return lens.clamp(1, max_len)
+    if kind != "two_caches":
+        raise ValueError(f"kind must be 'dense', 'topk' or 'two_caches', got {kind!r}")
+    main = (lens.clamp(0, max_len) + 63) // 64 * 64
+    return (main + extra.detach().cpu().long().clamp(0, extra_max)).clamp(min=1)
+
+
 def sparse_lengths(topk: int, topk_length, b: int) -> torch.Tensor:
     """Per-request work of sparse decode in tokens: ``topk_length`` (or ``topk``), at least 1 so every
     request gets a part that writes its (possibly empty) result, as FlashMLA's scheduler does."""

@@ -215,7 +215,8 @@ def _sparse_kernels(schedule: SparseDecodeSchedule, s_q: int, h_q: int, has_sink
                               extra_cache=extra_cache)
     combine = CombineConfig("bfloat16", h_q, s_q, has_sink, schedule.combine_chunked_batch,
                             schedule.combine_spread_partials)
-    return split, combine, SchedulerConfig(*schedule.plan_policy(s_q * h_q, small))
+    lengths = "two_caches" if extra_cache else "topk"
+    return split, combine, SchedulerConfig(*schedule.plan_policy(s_q * h_q, small), lengths=lengths)
 
 
 def sparse_precompile_steps(schedule: SparseDecodeSchedule, *, s_q: int, h_q: int, has_sink: bool,

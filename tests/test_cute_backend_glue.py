@@ -37,7 +37,11 @@ def recorder(monkeypatch):
 
     def compile_scheduler(config, options=""):
         calls["schedulers"].append(config)
-        return lambda seqlens, sched, splits, max_len: calls["scheduler"].append((config, sched.shape, splits.shape))
+        def run(seqlens, extra, sched, splits, max_len, extra_max):
+            assert extra is None and extra_max == 0 and config.lengths == "dense"
+            calls["scheduler"].append((config, sched.shape, splits.shape))
+
+        return run
 
     monkeypatch.setattr(build, "compile_dense", compile_dense)
     monkeypatch.setattr(build, "compile_scheduler", compile_scheduler)
@@ -160,8 +164,9 @@ def test_unsupported_configurations_raise(page, fp8, match):
 @pytest.fixture
 def sparse_recorder(monkeypatch):
     """``compile_sparse`` and ``compile_scheduler`` replaced: ``compiled`` holds the step configs asked for,
-    ``scheduler`` (config, lengths, records' shape, splits' shape) of each scheduler run."""
+    ``scheduler`` (config, the lengths it plans over, records' shape, splits' shape) of each scheduler run."""
     import mla_cute.kernels.build as build
+    from mla_cute.schedules.planner import scheduler_lengths
 
     calls = {"compiled": [], "steps": [], "schedulers": [], "scheduler": [], "combine": []}
 
@@ -177,8 +182,10 @@ def sparse_recorder(monkeypatch):
     def compile_scheduler(config, options=""):
         calls["schedulers"].append(config)
 
-        def run(lengths, sched, splits, max_len):
-            calls["scheduler"].append((config, lengths.clone(), sched.shape, splits.shape))
+        def run(lengths, extra, sched, splits, max_len, extra_max):
+            assert (extra is not None) == (config.lengths == "two_caches")
+            planned = scheduler_lengths(config.lengths, lengths, max_len, extra, extra_max)
+            calls["scheduler"].append((config, planned, sched.shape, splits.shape))
 
         return run
 
@@ -263,7 +270,7 @@ def test_sparse_extra_cache_arguments_handed_to_the_step(sparse_recorder):
     step = sparse_recorder["steps"][0]
     assert step[3] is topk_length and step[6] is extra_len and step[5] is extra_idx
     assert step[4].dtype == torch.int32 and step[4].shape == (3, 32, 164)
-    # Neither length given: the full ones, made once with the plan.
+    # Neither length given: the full ones (made once, shared by plans of the same batch and topk).
     meta = get_mla_metadata()[0]
     cute.sparse_decode(q, k_cache, indices, None, None, 0.25, meta, True, sched, "V32", (extra_cache, "V32", extra_idx, None))
     assert sparse_recorder["scheduler"][1][1].tolist() == [128 + 40] * 3

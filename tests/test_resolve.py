@@ -295,7 +295,7 @@ def test_small_plan_kernel_and_policy(b, s_q, h_q, topk, parts, small):
     split = call.step.split
     assert split.partials_16bit is small
     assert split.producer_halves is (split.crossover and not small)
-    assert call.scheduler == SchedulerConfig(*schedule.plan_policy(s_q * h_q, small))
+    assert call.scheduler == SchedulerConfig(*schedule.plan_policy(s_q * h_q, small), lengths="topk")
     assert call.scheduler.fixed_cost == (1 if small else 5)
     assert call.capture_step.split == split  # a shape fact: the capture takes the same kernel
     off = _sparse(SparseDecodeSchedule(num_sm_parts=parts, small_plan_tiles=0), b=b, s_q=s_q, h_q=h_q, topk=topk)
@@ -305,8 +305,9 @@ def test_small_plan_kernel_and_policy(b, s_q, h_q, topk, parts, small):
 
 def test_small_fixed_cost_reaches_the_scheduler():
     call = _sparse(SparseDecodeSchedule(small_plan_fixed_cost=3, unsplit_slack=1), b=2)
-    assert call.step.split.partials_16bit and call.scheduler == SchedulerConfig(3, 4, 0)
-    assert _sparse(SparseDecodeSchedule(split_fixed_cost=7), b=128).scheduler == SchedulerConfig(7, 0, 0)
+    assert call.step.split.partials_16bit and call.scheduler == SchedulerConfig(3, 4, 0, lengths="topk")
+    assert _sparse(SparseDecodeSchedule(split_fixed_cost=7), b=128).scheduler == SchedulerConfig(7, 0, 0,
+                                                                                                 lengths="topk")
 
 
 def test_sparse_combine_only_when_needed():

@@ -71,10 +71,10 @@ def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool) -> None:
 
 
 def _split_workspace(meta, lengths, max_len: int, parts: int, scheduler, b: int, h_kv: int, rows: int, device,
-                     partial_dtype=torch.float32):
-    """Run the GPU scheduler (``scheduler``: its ``SchedulerConfig``) over ``lengths``, each
-    taken within [0, ``max_len``], into the metadata, and allocate the partials (O in ``partial_dtype``, lse in
-    fp32).
+                     partial_dtype=torch.float32, extra_lengths=None, extra_max: int = 0):
+    """Run the GPU scheduler (``scheduler``: its ``SchedulerConfig``) over ``lengths``, read as its ``lengths``
+    says (within [0, ``max_len``]; over two caches with ``extra_lengths`` within [0, ``extra_max``]), into the
+    metadata, and allocate the partials (O in ``partial_dtype``, lse in fp32).
 
     At most one partial per request plus one extra per part (a part splits at most one request).
     """
@@ -82,7 +82,7 @@ def _split_workspace(meta, lengths, max_len: int, parts: int, scheduler, b: int,
 
     sched = torch.empty(parts, 8, dtype=torch.int32, device=device)
     splits = torch.empty(b + 1, dtype=torch.int32, device=device)
-    compile_scheduler(scheduler)(lengths, sched, splits, max_len)
+    compile_scheduler(scheduler)(lengths, extra_lengths, sched, splits, max_len, extra_max)
     meta.tile_scheduler_metadata, meta.num_splits = sched, splits
     o_accum = torch.empty(b + parts, h_kv, rows, 512, dtype=partial_dtype, device=device)
     lse_accum = torch.empty(b + parts, h_kv, rows, dtype=torch.float32, device=device)
@@ -309,17 +309,18 @@ class SparsePlan:
         # (the first call's choice holds for the metadata's later calls, as for attn_sink).  The step with the
         # combine is loaded in any case, for a CUDA graph captured later.  With an extra cache a request's
         # length is its main tokens' whole tiles and its extra tokens (``kernels/sparse_tiles.py``).
+        # The scheduler reads the call's lengths tensors as they are (``SchedulerConfig.lengths``), so no torch
+        # operation runs before it (inside a CUDA graph each would be one more kernel a replay).
         given = topk_length is not None
+        extra_topk = 0
         if extra is None:
             total = topk
-            lengths = topk_length if given else torch.full((b,), topk, dtype=torch.int32, device=q.device)
+            main = topk_length if given else full_lengths(b, topk, q.device)
         else:
             extra_topk = extra[2].shape[-1]
             total = -(-topk // 64) * 64 + extra_topk
-            self.full = (torch.full((b,), topk, dtype=torch.int32, device=q.device),
-                         torch.full((b,), extra_topk, dtype=torch.int32, device=q.device))
+            self.full = (full_lengths(b, topk, q.device), full_lengths(b, extra_topk, q.device))
             main, more = self.lengths(topk_length, extra[3])
-            lengths = (main.clamp(0, topk) + 63) // 64 * 64 + more.clamp(0, extra_topk)
         call = self.config = resolve_sparse(
             schedule, b=b, s_q=s_q, h_q=h_q, topk=total, has_sink=has_sink, has_topk_length=given or extra is not None,
             device=device_facts(q.device), capturing=q.is_cuda and torch.cuda.is_current_stream_capturing(),
@@ -328,7 +329,8 @@ class SparsePlan:
                                     (compile_scheduler, call.scheduler)])[:2]
         partials = q.dtype if call.step.split.partials_16bit else torch.float32
         self.o_accum, self.lse_accum = _split_workspace(
-            meta, lengths.clamp(1, total), total, call.parts, call.scheduler, b, 1, s_q * h_q, q.device, partials)
+            meta, main, topk, call.parts, call.scheduler, b, 1, s_q * h_q, q.device, partials,
+            more if extra is not None else None, extra_topk)
 
     def extra_args(self, extra):
         """``launch_sparse``'s ``extra`` from the call's (extra_k_cache, extra_indices_in_kvcache,
@@ -341,6 +343,25 @@ class SparsePlan:
         """The two caches' lengths the extra-cache kernel reads (the full ones where the call gives none)."""
         return (topk_length if topk_length is not None else self.full[0],
                 extra_topk_length if extra_topk_length is not None else self.full[1])
+
+
+_FULL_LENGTHS: dict = {}
+
+
+def full_lengths(b: int, value: int, device) -> torch.Tensor:
+    """An int32 ``[b]`` tensor of ``value`` each, the lengths of a call that passes none (never written).  Made
+    outside a CUDA graph capture, it is kept and shared (a few); made inside one (a fill kernel in the graph),
+    it is not kept, since it lives in the graph's memory."""
+    key = (b, value, device)
+    t = _FULL_LENGTHS.get(key)
+    if t is not None:
+        return t
+    t = torch.full((b,), value, dtype=torch.int32, device=device)
+    if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if len(_FULL_LENGTHS) >= 32:
+            _FULL_LENGTHS.pop(next(iter(_FULL_LENGTHS)))
+        _FULL_LENGTHS[key] = t
+    return t
 
 
 def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
