@@ -15,6 +15,7 @@ from . import validation as V
 from .backend import ENV_VAR, select_backend
 from .backends import cute, reference
 from .device import device_facts
+from .host import without_function_modes
 from .fp8 import D_LATENT, D_QK, dequantize_kv_cache
 from .kv_formats import HEAD_DIM, format_of
 from .schedules.configs import check_extra_format
@@ -218,6 +219,7 @@ def _unbind_on_error(meta: FlashMLASchedMeta, first: bool):
         raise
 
 
+@without_function_modes
 def flash_mla_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -527,6 +529,7 @@ def _replay_schedule_and_backend(plan, schedule, kind: type, backend) -> bool:
     return (backend if backend is not None else os.environ.get(ENV_VAR)) in (None, "", "cute")
 
 
+@without_function_modes
 def flash_mla_sparse_fwd(
     q: torch.Tensor,
     kv: torch.Tensor,

@@ -19,7 +19,10 @@ from typing import Optional
 
 import torch
 
+from .host import without_function_modes
 
+
+@without_function_modes
 def merge_partial_attention(outs: torch.Tensor, lses: torch.Tensor, attn_sink: Optional[torch.Tensor] = None,
                             backend: Optional[str] = None):
     """Merge R partial attention results: ``outs`` ``[R, b, s_q, h_q, d_v]`` (any float dtype), ``lses`` ``[R, b, h_q,

@@ -35,6 +35,7 @@ import torch
 
 from .fp8 import FP8_BYTES_PER_TOKEN, _check_cache, bf16_bytes, e4m3_tiles, fp32_scales
 from .fp8 import dequantize_kv_cache as _dequantize_v32, quantize_kv_cache as _quantize_v32
+from .host import without_function_modes
 
 D_V4 = 512
 V4_NOPE, V4_TILE, V4_TILES = 448, 64, 7
@@ -195,7 +196,7 @@ def _e2m1_tiles(x: torch.Tensor):
     s_bytes = torch.where(torch.isinf(amax), 0x7F, s.view(torch.uint8).to(torch.int32)).to(torch.uint8)
     v = t / s.float().unsqueeze(-1)
     a = torch.nan_to_num(v.abs(), nan=0.0, posinf=6.0).clamp(max=6.0)
-    mids = torch.tensor(_E2M1_MIDS, device=x.device)
+    mids = torch.tensor(_E2M1_MIDS, dtype=torch.float32, device=x.device)
     code = torch.bucketize(a, mids)  # mids[code - 1] < a <= mids[code]
     tie = (code < len(_E2M1_MIDS)) & (a == mids[code.clamp(max=len(_E2M1_MIDS) - 1)]) & (code % 2 == 1)
     code = code + tie.to(code.dtype)
@@ -245,7 +246,7 @@ def _from_token_bytes(fmt: str, raw: torch.Tensor) -> torch.Tensor:
     else:  # V41_FP4
         packed = raw[..., :256].to(torch.int64)
         codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*lead, 512)
-        mag = torch.tensor(_E2M1, device=raw.device)[codes & 7]
+        mag = torch.tensor(_E2M1, dtype=torch.float32, device=raw.device)[codes & 7]
         vals = torch.where(codes >= 8, -mag, mag).reshape(*lead, 32, 16)
         scale = _e4m3_values(raw[..., 256:])
     return (vals * scale.unsqueeze(-1)).reshape(*lead, 512).to(torch.bfloat16)
@@ -274,6 +275,7 @@ def gather_rows(k_cache: torch.Tensor, tokens: torch.Tensor, kv_format=None) -> 
     return _from_token_bytes(fmt, raw).float()
 
 
+@without_function_modes
 def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor, kv_format=None,
                    backend=None) -> None:
     """Quantize rows ``[n, d_qk]`` (bf16, fp16 or fp32) into their slots of a quantized cache, in place: row i goes

@@ -222,7 +222,7 @@ def test_sparse_arguments_handed_to_the_step(sparse_recorder):
     assert sparse_recorder["compiled"] == [SparseStepConfig(split, CombineConfig("bfloat16", 128, 2, True, 4, 48),
                                                             True)]
     config, lengths, sched_shape, splits_shape = sparse_recorder["scheduler"][0]
-    assert config == SchedulerConfig(*sched.plan_policy(2 * 128)) == SchedulerConfig(2, 0, 0)
+    assert config == SchedulerConfig(*sched.plan_policy(2 * 128), lengths="topk") == SchedulerConfig(2, 0, 0, lengths="topk")
     assert sched_shape == (7, 8) and splits_shape == (4,)
     assert lengths.tolist() == [1, 70, 128]  # clamped to [1, topk] for the planner
     (qq, cache, idx, tl, x_cache, x_idx, x_len, records, splits, o, l, o_acc, lse_acc, sk, top,
