@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "FlashMLASchedMeta": "api",
     "get_mla_metadata": "api",
+    "get_mla_decoding_metadata": "api",
     "flash_mla_with_kvcache": "api",
     "flash_mla_sparse_fwd": "api",
     "precompile": "api",

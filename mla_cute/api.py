@@ -24,6 +24,7 @@ from .schedules import (
     DEFAULT_SPARSE_SCHEDULE,
     DenseDecodeSchedule,
     SparseDecodeSchedule,
+    dense_tensor_plan,
     plan_splits,
     resolve_dense,
     resolve_sparse,
@@ -124,6 +125,54 @@ def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
     Returns ``(FlashMLASchedMeta(), None)``.
     """
     return FlashMLASchedMeta(), None
+
+
+@without_function_modes
+def get_mla_decoding_metadata(seqlens_k: torch.Tensor, num_q_tokens_per_head_k: int, h_k: int,
+                              h_q: Optional[int] = None, is_fp8_kvcache: bool = False, topk: Optional[int] = None,
+                              use_legacy: bool = False, *, schedule: Optional[DenseDecodeSchedule] = None,
+                              backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Dense decode's split plan as tensors, made before the call (FlashMLA's Hopper build and sgl-kernel:
+    ``(tile_scheduler_metadata, num_splits)``, passed to ``flash_mla_with_kvcache`` in those two arguments).
+
+    seqlens_k: int32 ``[b]``, the requests' KV lengths (the call's ``cache_seqlens``).
+    num_q_tokens_per_head_k: the query rows a KV head serves, ``s_q * h_q // h_kv``.  h_k: the KV heads.
+    h_q: accepted (None or a multiple of ``h_k``); the plan does not depend on it.
+    is_fp8_kvcache: must be False (dense decode over the FP8 cache has no kernel yet).  topk: must be None
+    (sparse decode plans on its first call, with a ``FlashMLASchedMeta``).  use_legacy: accepted and ignored.
+    schedule: as the call takes it (keyword; the call must use the same).  backend: as the call takes it.
+
+    Returns ``tile_scheduler_metadata`` int32 ``[parts, 8]`` (``parts`` depends on the device, the rows and
+    ``h_k`` only, not on the batch: an engine keeps one buffer for all its CUDA graphs and refreshes it in place)
+    and ``num_splits`` int32 ``[b + 1]``, on ``seqlens_k``'s device; planned on the GPU by the cute backend, with
+    no host synchronisation.  The call runs the plan they hold: they must be made over the call's own
+    ``cache_seqlens`` and batch (the cute backend does not read them to check: see docs/api.md)."""
+    V.check_tensor("seqlens_k", seqlens_k, dim=1, dtypes=(torch.int32,))
+    V.check_device("seqlens_k", seqlens_k)
+    if seqlens_k.shape[0] < 1 or not seqlens_k.is_contiguous():
+        raise ValueError(f"seqlens_k must be contiguous with batch >= 1, got shape {list(seqlens_k.shape)}")
+    for name, val in (("num_q_tokens_per_head_k", num_q_tokens_per_head_k), ("h_k", h_k)):
+        if type(val) is not int:
+            raise TypeError(f"{name} must be an int, got {V.type_name(val)}")
+        if val < 1:
+            raise ValueError(f"{name} must be >= 1, got {val}")
+    if h_q is not None and (type(h_q) is not int or h_q < 1 or h_q % h_k):
+        raise ValueError(f"h_q must be None or a positive multiple of h_k ({h_k}), got {h_q!r}")
+    for name, val in (("is_fp8_kvcache", is_fp8_kvcache), ("use_legacy", use_legacy)):
+        if type(val) is not bool:
+            raise TypeError(f"{name} must be a bool, got {V.type_name(val)}")
+    if is_fp8_kvcache:
+        raise NotImplementedError("is_fp8_kvcache=True: dense decode over the FP8 cache has no kernel yet")
+    if topk is not None:
+        raise NotImplementedError("topk: sparse decode plans on its first call; pass get_mla_metadata()[0] to "
+                                  "flash_mla_with_kvcache instead of tensors")
+    sched = _resolve_schedule(schedule, DenseDecodeSchedule)
+    rows, device = num_q_tokens_per_head_k, seqlens_k.device
+    if select_backend(device, backend) == "cute":
+        return cute.plan_dense_tensors(seqlens_k, rows, h_k, sched)
+    parts, scheduler = dense_tensor_plan(sched, rows=rows, h_kv=h_k, device=device_facts(device))
+    records, splits = plan_splits(seqlens_k.cpu(), parts, 64, *scheduler.policy())
+    return records.to(device), splits.to(device)
 
 
 def _lengths_key(t: torch.Tensor) -> tuple:
@@ -321,8 +370,14 @@ def flash_mla_with_kvcache(
                                   kv_format, schedule, backend, extra, out)
         if done is not None:
             return done
+    if isinstance(tile_scheduler_metadata, torch.Tensor) or isinstance(num_splits, torch.Tensor):
+        return _dense_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                 num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length,
+                                 kv_format, (extra_k_cache, extra_indices_in_kvcache, extra_topk_length), backend,
+                                 schedule, out)
     if num_splits is not None:
-        raise ValueError("num_splits must be None (the split counts live in tile_scheduler_metadata)")
+        raise ValueError("num_splits must be None with a FlashMLASchedMeta (the split counts live in it); as a "
+                         "tensor it comes with tile_scheduler_metadata from get_mla_decoding_metadata")
     extras = (("extra_k_cache", extra_k_cache), ("extra_indices_in_kvcache", extra_indices_in_kvcache),
               ("extra_topk_length", extra_topk_length))
     given = any(val is not None for _, val in extras)
@@ -412,6 +467,60 @@ def flash_mla_with_kvcache(
         tile_scheduler_metadata, q, k_cache, indices, topk_length, attn_sink, block_table, cache_seqlens, head_dim_v,
         causal, is_fp8_kvcache, kv_format, (extra_k_cache, extra_indices_in_kvcache, extra_topk_length))
     return out, lse
+
+
+def _dense_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num_splits, softmax_scale, causal,
+                      is_fp8_kvcache, indices, attn_sink, topk_length, kv_format, extra, backend, schedule, out):
+    """Dense decode over a plan given as tensors (``get_mla_decoding_metadata``'s): checked as a first call is,
+    but for the lengths' values, which the GPU holds (the reference backend checks the plan against them)."""
+    sparse = (indices, attn_sink, topk_length, kv_format, *extra)
+    if any(val is not None for val in sparse):
+        raise TypeError("tile_scheduler_metadata: sparse decode plans on its first call and takes a "
+                        "FlashMLASchedMeta from get_mla_metadata(), not tensors")
+    if block_table is None or cache_seqlens is None:
+        raise ValueError("block_table and cache_seqlens are required for dense decode (indices=None)")
+    V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache)
+    kind = select_backend(q.device, backend)
+    sched = _resolve_schedule(schedule, DenseDecodeSchedule)
+    if kind == "cute":
+        cute.check_supported(k_cache, is_fp8_kvcache)
+    b, s_q, h_q, _ = q.shape
+    h_kv = k_cache.shape[2]
+    rows = s_q * (h_q // h_kv)
+    parts, scheduler = dense_tensor_plan(sched, rows=rows, h_kv=h_kv, device=device_facts(q.device))
+    hint = f"get_mla_decoding_metadata(cache_seqlens, {rows}, {h_kv})"
+    for name, t, shape in (("tile_scheduler_metadata", records, (parts, 8)), ("num_splits", num_splits, (b + 1,))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor beside the other one (both from {hint}), got {V.type_name(t)}")
+        V.check_tensor(name, t, dim=len(shape), dtypes=(torch.int32,))
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}: the plan {hint} makes for this call "
+                             f"(batch {b}, {rows} query rows a KV head), got {list(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    V.check_same_device("q", q, tile_scheduler_metadata=records, num_splits=num_splits)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    else:
+        softmax_scale = V.check_scale("softmax_scale", softmax_scale)
+    masked = causal and s_q > 1
+    if kind == "reference":
+        _check_given_plan(records, num_splits, cache_seqlens, parts, scheduler)
+        cache = dequantize_kv_cache(k_cache) if is_fp8_kvcache else k_cache
+        return _into(out, reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, masked,
+                                                 head_dim_v))
+    return cute.dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, records, num_splits,
+                                   sched, out)
+
+
+def _check_given_plan(records, num_splits, cache_seqlens, parts: int, scheduler) -> None:
+    """The reference backend's check of a plan given as tensors: the one ``get_mla_decoding_metadata`` makes over
+    this call's ``cache_seqlens`` (the cute backend cannot read it without waiting for the GPU, and trusts it)."""
+    want_records, want_splits = plan_splits(cache_seqlens.cpu(), parts, 64, *scheduler.policy())
+    if not (torch.equal(records.cpu(), want_records) and torch.equal(num_splits.cpu(), want_splits)):
+        raise ValueError("tile_scheduler_metadata / num_splits hold another plan than "
+                         "get_mla_decoding_metadata makes over this call's cache_seqlens: make them again "
+                         "(or refresh them in place) when the lengths change")
 
 
 def _refuse_across_capture(capturing: bool) -> None:

@@ -7,7 +7,7 @@ from .dense import DEFAULT_DENSE_SCHEDULE, DenseDecodeSchedule
 from .planner import (RECORD_FIELDS, RECORD_SIZE, m_tiles_for, num_sm_parts_for, plan_facts, plan_has_split, plan_splits,
                       sparse_lengths, sparse_num_sm_parts_for, whole_token_plan)
 from .resolve import (HOPPER, DenseCall, DeviceFacts, SparseCall, SparsePrefillCall, SparsePrefillFp8Call,
-                      dense_precompile_steps, experiment, resolve_dense, resolve_sparse, resolve_sparse_prefill,
+                      dense_precompile_steps, dense_tensor_plan, experiment, resolve_dense, resolve_sparse, resolve_sparse_prefill,
                       resolve_sparse_prefill_fp8, sparse_precompile_steps,
                       sparse_prefill_precompile_configs)
 from .sparse import DEFAULT_SPARSE_SCHEDULE, SparseDecodeSchedule
@@ -31,6 +31,7 @@ __all__ = [
     "DenseCall",
     "SparseCall",
     "resolve_dense",
+    "dense_tensor_plan",
     "resolve_sparse",
     "resolve_sparse_prefill",
     "resolve_sparse_prefill_fp8",

@@ -123,6 +123,15 @@ def _dense_plan(schedule: DenseDecodeSchedule, device: DeviceFacts, s_q: int, h_
     return parts + fill, fill, sched
 
 
+def dense_tensor_plan(schedule: DenseDecodeSchedule, *, rows: int, h_kv: int, device: DeviceFacts = HOPPER
+                      ) -> tuple[int, SchedulerConfig]:
+    """(parts, the scheduler's config) of the plan ``get_mla_decoding_metadata`` makes as tensors for requests of
+    ``rows`` query rows a KV head (s_q times the heads a KV head serves): the plan of a dense call whose lengths
+    the host does not know (``resolve_dense``'s capture step), a function of the rows and ``h_kv`` alone."""
+    parts, _, sched = _dense_plan(schedule, device, 1, rows * h_kv, h_kv, 1)
+    return parts, sched
+
+
 def _dense_combine(schedule: DenseDecodeSchedule, dtype: str, s_q: int, group: int) -> CombineConfig:
     return CombineConfig(dtype, group, s_q, False, schedule.combine_chunked_batch, schedule.combine_spread_partials)
 

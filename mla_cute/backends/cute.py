@@ -20,7 +20,7 @@ from ..validation import sink_presence_error
 from ..schedules.configs import WriteCacheConfig
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.planner import whole_token_plan
-from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, resolve_dense, resolve_sparse, resolve_sparse_prefill,
+from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, dense_tensor_plan, resolve_dense, resolve_sparse, resolve_sparse_prefill,
                                 resolve_sparse_prefill_fp8, sparse_precompile_steps, sparse_prefill_precompile_configs)
 from ..schedules.sparse import SparseDecodeSchedule
 
@@ -74,16 +74,26 @@ def _split_workspace(meta, lengths, max_len: int, parts: int, scheduler, b: int,
                      partial_dtype=torch.float32, extra_lengths=None, extra_max: int = 0):
     """Run the GPU scheduler (``scheduler``: its ``SchedulerConfig``) over ``lengths``, read as its ``lengths``
     says (within [0, ``max_len``]; over two caches with ``extra_lengths`` within [0, ``extra_max``]), into the
-    metadata, and allocate the partials (O in ``partial_dtype``, lse in fp32).
+    metadata, and allocate the partials (O in ``partial_dtype``, lse in fp32)."""
+    meta.tile_scheduler_metadata, meta.num_splits = run_scheduler(scheduler, lengths, parts, max_len, extra_lengths,
+                                                                  extra_max)
+    return _partials(b, parts, h_kv, rows, device, partial_dtype)
 
-    At most one partial per request plus one extra per part (a part splits at most one request).
-    """
+
+def run_scheduler(scheduler, lengths, parts: int, max_len: int, extra_lengths=None, extra_max: int = 0):
+    """The GPU scheduler's plan over ``lengths`` (see ``_split_workspace``): records ``[parts, 8]`` and the split
+    counts' prefix sum ``[b + 1]``, int32, on the lengths' device."""
     from ..kernels.build import compile_scheduler
 
-    sched = torch.empty(parts, 8, dtype=torch.int32, device=device)
-    splits = torch.empty(b + 1, dtype=torch.int32, device=device)
+    sched = torch.empty(parts, 8, dtype=torch.int32, device=lengths.device)
+    splits = torch.empty(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
     compile_scheduler(scheduler)(lengths, extra_lengths, sched, splits, max_len, extra_max)
-    meta.tile_scheduler_metadata, meta.num_splits = sched, splits
+    return sched, splits
+
+
+def _partials(b: int, parts: int, h_kv: int, rows: int, device, partial_dtype=torch.float32):
+    """The split kernel's partials: at most one per request plus one extra per part (a part splits at most one
+    request)."""
     o_accum = torch.empty(b + parts, h_kv, rows, 512, dtype=partial_dtype, device=device)
     lse_accum = torch.empty(b + parts, h_kv, rows, dtype=torch.float32, device=device)
     return o_accum, lse_accum
@@ -194,6 +204,57 @@ def replay_dense(plan: DensePlan, q, k_cache, block_table, cache_seqlens, meta, 
     rows the same view of q, or the same reordered copy."""
     rows = q.view(plan.q_rows) if plan.q_rows is not None else query_rows(q, plan.h_kv)
     return _launch(plan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, q.device, out)
+
+
+# ---------------------------------------------------------------- dense decode over a plan given as tensors
+# The scheduler's lengths bound when the plan is made before the call (``get_mla_decoding_metadata``): none.  The
+# split kernel serves each request within its block-table row and its length whatever the plan says.
+_UNBOUNDED = 2**31 - 1
+
+
+def plan_dense_tensors(seqlens_k, rows: int, h_kv: int, schedule: DenseDecodeSchedule):
+    """``get_mla_decoding_metadata``'s plan on the GPU: (records ``[parts, 8]``, num_splits ``[b + 1]``) over
+    ``seqlens_k`` for requests of ``rows`` query rows a KV head (``dense_tensor_plan``)."""
+    parts, scheduler = dense_tensor_plan(schedule, rows=rows, h_kv=h_kv, device=device_facts(seqlens_k.device))
+    return run_scheduler(scheduler, seqlens_k, parts, _UNBOUNDED)
+
+
+class GivenDensePlan:
+    """A dense call's kernels and partials for plans given as tensors: the step of a plan the host does not know
+    (``resolve_dense``'s capture step), kept on the records tensor per call shape."""
+
+    __slots__ = ("step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype")
+
+    def __init__(self, q, k_cache, causal, schedule: DenseDecodeSchedule):
+        from ..kernels.build import compile_dense
+
+        b, s_q, h_q, _ = q.shape
+        page, h_kv = k_cache.shape[1], k_cache.shape[2]
+        self.b, self.s_q, self.h_q, self.h_kv, self.dtype = b, s_q, h_q, h_kv, q.dtype
+        call = resolve_dense(schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=s_q, h_q=h_q, h_kv=h_kv,
+                             causal=causal, page=page, device=device_facts(q.device))
+        assert call.fill_parts == 0  # the plan of unknown lengths has no fill parts (``dense_tensor_plan``)
+        self.step = compile_dense(call.capture_step)
+        self.o_accum, self.lse_accum = _partials(b, call.parts, h_kv, s_q * (h_q // h_kv), q.device)
+
+
+def dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, records, num_splits,
+                       schedule: DenseDecodeSchedule, out=None):
+    """Dense decode over the plan in ``records`` / ``num_splits`` (made by ``plan_dense_tensors``; their shapes
+    checked against this call by the caller).  The partials live with the records tensor (one buffer an engine
+    keeps for its CUDA graphs), one set per call shape."""
+    plans = getattr(records, "_mla_cute_plans", None)
+    if plans is None:
+        plans = records._mla_cute_plans = {}
+    key = (q.dtype, tuple(q.shape), tuple(k_cache.shape[1:3]), causal, schedule, q.device)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = GivenDensePlan(q, k_cache, causal, schedule)
+    rows = query_rows(q, plan.h_kv)
+    out, lse = _outputs(plan, q.device, out)
+    plan.step(rows, k_cache, block_table, cache_seqlens, records, num_splits, out, lse, plan.o_accum, plan.lse_accum,
+              softmax_scale * _LOG2_E)
+    return out, lse
 
 
 def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeSchedule) -> None:
