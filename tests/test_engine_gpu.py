@@ -97,6 +97,44 @@ def test_dense_cuda_graph_captured_in_inference_mode():
             _check((out, lse), _dense_ref(case, True))
 
 
+@pytest.mark.parametrize("s_q,h_q", [(1, 128), (2, 64)])
+def test_dense_tensor_plan_in_graph_buffers_as_sglang_refreshes_them(s_q, h_q):
+    """SGLang's FlashMLA backend: plan buffers made at the largest batch, one graph captured per batch size with
+    the buffers (``num_splits`` sliced), a fresh plan over new lengths copied in before each replay."""
+    import mla_cute
+
+    max_bs, max_len = 16, 2500
+    gen = torch.Generator().manual_seed(11)
+    rows = s_q * h_q
+    with torch.inference_mode():
+        plan_buf, splits_buf = mla_cute.get_mla_decoding_metadata(
+            torch.ones(max_bs, dtype=torch.int32, device="cuda"), rows, 1, h_q)
+        for bs in (16, 5):
+            case = _inference_copy(make_dense_case(bs, s_q, 0, h_q, 1, lengths=[max_len] * bs))
+            plan, splits = mla_cute.get_mla_decoding_metadata(case["cache_seqlens"], rows, 1, h_q)
+            plan_buf.copy_(plan)
+            splits_buf[: bs + 1].copy_(splits)
+            args = (case["q"], case["k_cache"], case["block_table"], case["cache_seqlens"], 512, plan_buf,
+                    splits_buf[: bs + 1])
+            _check(mla_cute.flash_mla_with_kvcache(*args, causal=True), _dense_ref(case, True))  # outside a graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out, lse = mla_cute.flash_mla_with_kvcache(*args, causal=True)
+            for trial in range(3):
+                lens = torch.randint(0, max_len + 1, (bs,), generator=gen)
+                lens[trial] = 0
+                case["cache_seqlens"].copy_(lens.to(torch.int32))
+                case["q"].copy_((torch.randn(case["q"].shape, generator=gen) / 10).clamp(-1, 1).to(case["q"].dtype))
+                refill_cache(case["k_cache"], case["block_table"], lens, gen)
+                plan, splits = mla_cute.get_mla_decoding_metadata(case["cache_seqlens"], rows, 1, h_q)
+                plan_buf.copy_(plan)
+                splits_buf[: bs + 1].copy_(splits)
+                out.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                _check((out, lse), _dense_ref(case, True))
+
+
 def test_sparse_reuse_replay_and_cuda_graph_in_inference_mode():
     import mla_cute
 
