@@ -370,7 +370,9 @@ def flash_mla_with_kvcache(
                                   kv_format, schedule, backend, extra, out)
         if done is not None:
             return done
-    if isinstance(tile_scheduler_metadata, torch.Tensor) or isinstance(num_splits, torch.Tensor):
+    given_plan = isinstance(tile_scheduler_metadata, torch.Tensor) or (
+        isinstance(num_splits, torch.Tensor) and not isinstance(tile_scheduler_metadata, FlashMLASchedMeta))
+    if given_plan:  # dense decode's plan as tensors (get_mla_decoding_metadata)
         return _dense_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                  num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length,
                                  kv_format, (extra_k_cache, extra_indices_in_kvcache, extra_topk_length), backend,

@@ -171,7 +171,7 @@ DENSE_CASES = {
     "metadata_not_schedmeta": (lambda a: dict(tile_scheduler_metadata=None), TypeError, "tile_scheduler_metadata must be a FlashMLASchedMeta"),
     "metadata_raw_tensor": (
         lambda a: dict(tile_scheduler_metadata=torch.zeros(132, 8, dtype=torch.int32)),
-        TypeError, "tile_scheduler_metadata must be a FlashMLASchedMeta",
+        TypeError, "num_splits must be a tensor beside the other one",
     ),
     # backend choice
     "backend_unknown": (lambda a: dict(backend="triton"), ValueError, "backend must be one of"),
