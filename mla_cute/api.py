@@ -14,7 +14,7 @@ import torch
 from . import validation as V
 from .backend import ENV_VAR, select_backend
 from .backends import cute, reference
-from .device import device_facts
+from .device import capture_id, device_facts
 from .host import without_function_modes
 from .fp8 import D_LATENT, D_QK, dequantize_kv_cache
 from .kv_formats import HEAD_DIM, format_of
@@ -109,8 +109,10 @@ class FlashMLASchedMeta:
     _extra_lengths_ref: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
     _extra_lengths_key: Optional[tuple] = dataclasses.field(default=None, repr=False)
     _extra_lengths_copy: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
-    # Whether the first call ran inside a CUDA graph capture (its replays then plan the lengths they find).
+    # Whether the first call ran inside a CUDA graph capture (its replays then plan the lengths they find), and
+    # that capture's id (the scheduler kernel is in that graph only).
     _in_capture: bool = dataclasses.field(default=False, repr=False)
+    _capture_id: Optional[int] = dataclasses.field(default=None, repr=False)
     # Backend-private state (workspaces, launch plans), keyed by the backend.
     _state: dict = dataclasses.field(default_factory=dict, repr=False)
     # The dense cute plan once a call has passed every check; later calls with the same
@@ -239,12 +241,14 @@ def _check_lengths(meta: FlashMLASchedMeta, lengths: Optional[torch.Tensor], nam
 
 
 def _bind_metadata(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config, capturing: bool,
-                   lengths: Optional[torch.Tensor], extra_lengths: Optional[torch.Tensor] = None) -> None:
+                   lengths: Optional[torch.Tensor], extra_lengths: Optional[torch.Tensor] = None,
+                   device: Optional[torch.device] = None) -> None:
     """Record what an empty metadata object is computed for (after the call's checks passed), and whether the
-    call runs inside a CUDA graph capture."""
+    call runs inside a CUDA graph capture (which one: on ``device``)."""
     meta.config = config
     meta.have_initialized = True
     meta._in_capture = capturing
+    meta._capture_id = capture_id(device) if capturing else None
     for attr, given in (("_lengths", lengths), ("_extra_lengths", extra_lengths)):
         if given is not None:
             setattr(meta, attr + "_ref", given)
@@ -353,10 +357,16 @@ def flash_mla_with_kvcache(
         # Once a call, replays included (a q this skips fails its own check before any launch; head_dim_v too).
         V.check_out(out, (*q.shape[:3], D_LATENT), q.dtype, q.device)
     # Asked once a call: the one query of the capture state on the replay path, reused by the first call's checks.
-    capturing = isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
-    if (isinstance(tile_scheduler_metadata, FlashMLASchedMeta) and tile_scheduler_metadata.have_initialized
-            and capturing != tile_scheduler_metadata._in_capture):
-        _refuse_across_capture(capturing)
+    capturing = _capturing(q)
+    if isinstance(tile_scheduler_metadata, FlashMLASchedMeta) and tile_scheduler_metadata.have_initialized:
+        if capturing != tile_scheduler_metadata._in_capture:
+            _refuse_across_capture(capturing)
+        if capturing and capture_id(q.device) != tile_scheduler_metadata._capture_id:
+            raise ValueError(
+                "tile_scheduler_metadata was computed inside another CUDA graph capture: its scheduler kernel is "
+                "in that graph only, so this graph would reuse a plan made for other lengths; call "
+                "get_mla_metadata() inside each capture"
+            )
     if (num_splits is None and type(tile_scheduler_metadata) is FlashMLASchedMeta
             and tile_scheduler_metadata._replay is not None):
         extra = (extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
@@ -410,7 +420,7 @@ def flash_mla_with_kvcache(
         if first:
             if not capturing:
                 host_lengths = V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
-            _bind_metadata(tile_scheduler_metadata, config, capturing, cache_seqlens)
+            _bind_metadata(tile_scheduler_metadata, config, capturing, cache_seqlens, device=q.device)
         masked = causal and q.shape[1] > 1  # the mask (causal is ignored when s_q == 1)
         with _unbind_on_error(tile_scheduler_metadata, first):
             if kind == "reference":
@@ -452,7 +462,7 @@ def flash_mla_with_kvcache(
     first = _check_metadata(tile_scheduler_metadata, config, topk_length, extra_topk_length)
     V.check_sink_presence(tile_scheduler_metadata, attn_sink is not None, first)
     if first:
-        _bind_metadata(tile_scheduler_metadata, config, capturing, topk_length, extra_topk_length)
+        _bind_metadata(tile_scheduler_metadata, config, capturing, topk_length, extra_topk_length, q.device)
     with _unbind_on_error(tile_scheduler_metadata, first):
         if kind == "reference":
             if first:
@@ -523,6 +533,11 @@ def _check_given_plan(records, num_splits, cache_seqlens, parts: int, scheduler)
         raise ValueError("tile_scheduler_metadata / num_splits hold another plan than "
                          "get_mla_decoding_metadata makes over this call's cache_seqlens: make them again "
                          "(or refresh them in place) when the lengths change")
+
+
+def _capturing(q) -> bool:
+    """Whether a CUDA graph capture is under way on q's device's current stream (asked once a call)."""
+    return isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _refuse_across_capture(capturing: bool) -> None:

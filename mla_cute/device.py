@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .schedules.resolve import DENSE_SMEM_BYTES, DENSE_THREADS, HOPPER, DeviceFacts
@@ -17,6 +19,19 @@ _facts: dict = {}
 HOPPER_CLUSTER_SLOTS = {1: HOPPER.num_sms, 2: HOPPER.pair_clusters, 4: HOPPER.quad_clusters}
 # An empty kernel to ask the driver how many clusters fit (the count depends on the launch shape only).
 _EMPTY_PTX = b".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry empty()\n{\n ret;\n}\n\0"
+
+
+def capture_id(device: torch.device) -> Optional[int]:
+    """The id of the CUDA graph capture under way on ``device``'s current stream (the runtime's, unique among the
+    process's captures); None where the runtime does not say."""
+    from cuda.bindings import runtime
+
+    stream = torch.cuda.current_stream(device).cuda_stream
+    try:
+        err, _status, cid = runtime.cudaStreamGetCaptureInfo(stream)[:3]
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return int(cid) if err == runtime.cudaError_t.cudaSuccess else None
 
 
 def num_sms(device: torch.device) -> int:

@@ -208,6 +208,30 @@ def test_metadata_computed_inside_a_capture_is_refused_outside_it(kind):
             call(meta)
 
 
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_metadata_computed_in_one_capture_is_refused_in_another(kind):
+    """The scheduler kernel of a metadata object planned inside a capture is in that graph only: a second capture
+    with the object is refused before any launch; the first graph still serves its lengths."""
+    import mla_cute
+
+    call, ref = _capture_case(kind)
+    with torch.inference_mode():
+        call(mla_cute.get_mla_metadata()[0])  # compile outside the capture
+        torch.cuda.synchronize()
+        first = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(first):
+            meta = mla_cute.get_mla_metadata()[0]
+            got = call(meta)
+        assert meta._capture_id is not None, "the runtime reported the capture's id"
+        second = torch.cuda.CUDAGraph()
+        with pytest.raises(ValueError, match="computed inside another CUDA graph capture"):
+            with torch.cuda.graph(second):
+                call(meta)
+        first.replay()
+        torch.cuda.synchronize()
+        _check(got, ref)
+
+
 # ------------------------------------------------------ values no check sees
 def _replay_only(monkeypatch):
     """Fail if a call takes the checked path: the adversarial values below must reach the kernels."""

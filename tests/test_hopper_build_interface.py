@@ -148,3 +148,22 @@ def test_metadata_planned_inside_a_capture_is_refused_outside_it():
     meta._in_capture = True
     with pytest.raises(ValueError, match="computed inside a CUDA graph capture"):
         mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, indices=indices)
+
+
+def test_metadata_planned_in_one_capture_is_refused_in_another(monkeypatch):
+    """The scheduler kernel of a metadata object planned inside a capture is in that graph only: a call inside a
+    second capture is refused before any work, a later call of the same capture is not (the capture state and
+    the driver's capture id are stood in for; the GPU tests capture for real)."""
+    import mla_cute.api as api
+
+    q, cache, indices, sink = _sparse_case()
+    current = {"id": 7}
+    monkeypatch.setattr(api, "_capturing", lambda q: True)
+    monkeypatch.setattr(api, "capture_id", lambda device: current["id"])
+    meta = mla_cute.get_mla_metadata()[0]
+    first = mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, indices=indices)
+    again = mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, indices=indices)  # the next layer
+    assert torch.equal(first[0], again[0]) and meta._capture_id == 7
+    current["id"] = 8
+    with pytest.raises(ValueError, match="computed inside another CUDA graph capture"):
+        mla_cute.flash_mla_with_kvcache(q, cache, None, None, 512, meta, indices=indices)
