@@ -26,6 +26,7 @@ from .schedules import (
     SparseDecodeSchedule,
     dense_tensor_plan,
     plan_splits,
+    sparse_tensor_plan,
     resolve_dense,
     resolve_sparse,
     sparse_lengths,
@@ -163,17 +164,40 @@ def get_mla_decoding_metadata(seqlens_k: torch.Tensor, num_q_tokens_per_head_k: 
     for name, val in (("is_fp8_kvcache", is_fp8_kvcache), ("use_legacy", use_legacy)):
         if type(val) is not bool:
             raise TypeError(f"{name} must be a bool, got {V.type_name(val)}")
+    if topk is not None:
+        return _sparse_decoding_metadata(seqlens_k, num_q_tokens_per_head_k, h_k, h_q, is_fp8_kvcache, topk,
+                                         schedule, backend)
     if is_fp8_kvcache:
         raise NotImplementedError("is_fp8_kvcache=True: dense decode over the FP8 cache has no kernel yet")
-    if topk is not None:
-        raise NotImplementedError("topk: sparse decode plans on its first call; pass get_mla_metadata()[0] to "
-                                  "flash_mla_with_kvcache instead of tensors")
     sched = _resolve_schedule(schedule, DenseDecodeSchedule)
     rows, device = num_q_tokens_per_head_k, seqlens_k.device
     if select_backend(device, backend) == "cute":
         return cute.plan_dense_tensors(seqlens_k, rows, h_k, sched)
     parts, scheduler = dense_tensor_plan(sched, rows=rows, h_kv=h_k, device=device_facts(device))
     records, splits = plan_splits(seqlens_k.cpu(), parts, 64, *scheduler.policy())
+    return records.to(device), splits.to(device)
+
+
+def _sparse_decoding_metadata(seqlens_k, rows: int, h_k: int, h_q, is_fp8_kvcache: bool, topk, schedule, backend):
+    """``get_mla_decoding_metadata`` with ``topk``: the one-cache sparse plan over ``topk`` tokens a request (the
+    lengths' values are not read: a request attends to its indices, as many as topk)."""
+    if type(topk) is not int:
+        raise TypeError(f"topk must be an int or None, got {V.type_name(topk)}")
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if not is_fp8_kvcache:
+        raise ValueError("is_fp8_kvcache must be True with topk (sparse decode reads the FP8 cache)")
+    if h_q is None or h_k != 1:
+        raise ValueError(f"h_q must be given and h_k be 1 with topk (sparse decode has one KV head), got h_q={h_q!r}, "
+                         f"h_k={h_k}")
+    if rows % h_q:
+        raise ValueError(f"num_q_tokens_per_head_k ({rows}) must be s_q * h_q, a multiple of h_q ({h_q})")
+    sched = _resolve_schedule(schedule, SparseDecodeSchedule)
+    b, s_q, device = seqlens_k.shape[0], rows // h_q, seqlens_k.device
+    if select_backend(device, backend) == "cute":
+        return cute.plan_sparse_tensors(b, s_q, h_q, topk, sched, device)
+    parts, scheduler = sparse_tensor_plan(sched, b=b, s_q=s_q, h_q=h_q, topk=topk, device=device_facts(device))
+    records, splits = plan_splits(sparse_lengths(topk, None, b), parts, 64, *scheduler.policy())
     return records.to(device), splits.to(device)
 
 
@@ -383,10 +407,9 @@ def flash_mla_with_kvcache(
     given_plan = isinstance(tile_scheduler_metadata, torch.Tensor) or (
         isinstance(num_splits, torch.Tensor) and not isinstance(tile_scheduler_metadata, FlashMLASchedMeta))
     if given_plan:  # dense decode's plan as tensors (get_mla_decoding_metadata)
-        return _dense_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                 num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length,
-                                 kv_format, (extra_k_cache, extra_indices_in_kvcache, extra_topk_length), backend,
-                                 schedule, out)
+        return _given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                           softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length, kv_format,
+                           (extra_k_cache, extra_indices_in_kvcache, extra_topk_length), backend, schedule, out)
     if num_splits is not None:
         raise ValueError("num_splits must be None with a FlashMLASchedMeta (the split counts live in it); as a "
                          "tensor it comes with tile_scheduler_metadata from get_mla_decoding_metadata")
@@ -481,16 +504,21 @@ def flash_mla_with_kvcache(
     return out, lse
 
 
-def _dense_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num_splits, softmax_scale, causal,
-                      is_fp8_kvcache, indices, attn_sink, topk_length, kv_format, extra, backend, schedule, out):
-    """Dense decode over a plan given as tensors (``get_mla_decoding_metadata``'s): checked as a first call is,
-    but for the lengths' values, which the GPU holds (the reference backend checks the plan against them)."""
-    sparse = (indices, attn_sink, topk_length, kv_format, *extra)
-    if any(val is not None for val in sparse):
-        raise TypeError("tile_scheduler_metadata: sparse decode plans on its first call and takes a "
-                        "FlashMLASchedMeta from get_mla_metadata(), not tensors")
+def _given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num_splits, softmax_scale, causal,
+                is_fp8_kvcache, indices, attn_sink, topk_length, kv_format, extra, backend, schedule, out):
+    """A call over a plan given as tensors (``get_mla_decoding_metadata``'s): checked as a first call is, but for
+    the lengths' values, which the GPU holds (the reference backend checks the plan against them)."""
+    if indices is not None:
+        return _sparse_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num_splits,
+                                  softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length, kv_format,
+                                  extra, backend, schedule, out)
     if block_table is None or cache_seqlens is None:
         raise ValueError("block_table and cache_seqlens are required for dense decode (indices=None)")
+    for name, val in (("attn_sink", attn_sink), ("topk_length", topk_length), ("kv_format", kv_format),
+                      ("extra_k_cache", extra[0]), ("extra_indices_in_kvcache", extra[1]),
+                      ("extra_topk_length", extra[2])):
+        if val is not None:
+            raise ValueError(f"{name} is only valid for sparse decode (indices given)")
     V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache)
     kind = select_backend(q.device, backend)
     sched = _resolve_schedule(schedule, DenseDecodeSchedule)
@@ -500,24 +528,12 @@ def _dense_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, record
     h_kv = k_cache.shape[2]
     rows = s_q * (h_q // h_kv)
     parts, scheduler = dense_tensor_plan(sched, rows=rows, h_kv=h_kv, device=device_facts(q.device))
-    hint = f"get_mla_decoding_metadata(cache_seqlens, {rows}, {h_kv})"
-    for name, t, shape in (("tile_scheduler_metadata", records, (parts, 8)), ("num_splits", num_splits, (b + 1,))):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor beside the other one (both from {hint}), got {V.type_name(t)}")
-        V.check_tensor(name, t, dim=len(shape), dtypes=(torch.int32,))
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)}: the plan {hint} makes for this call "
-                             f"(batch {b}, {rows} query rows a KV head), got {list(t.shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    V.check_same_device("q", q, tile_scheduler_metadata=records, num_splits=num_splits)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    else:
-        softmax_scale = V.check_scale("softmax_scale", softmax_scale)
+    _check_plan_tensors(q, records, num_splits, parts, f"get_mla_decoding_metadata(cache_seqlens, {rows}, {h_kv})",
+                        f"batch {b}, {rows} query rows a KV head")
+    softmax_scale = _given_scale(softmax_scale, q)
     masked = causal and s_q > 1
     if kind == "reference":
-        _check_given_plan(records, num_splits, cache_seqlens, parts, scheduler)
+        _check_given_plan(records, num_splits, cache_seqlens.cpu(), parts, scheduler, "this call's cache_seqlens")
         cache = dequantize_kv_cache(k_cache) if is_fp8_kvcache else k_cache
         return _into(out, reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, masked,
                                                  head_dim_v))
@@ -525,14 +541,63 @@ def _dense_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, record
                                    sched, out)
 
 
-def _check_given_plan(records, num_splits, cache_seqlens, parts: int, scheduler) -> None:
+def _sparse_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num_splits, softmax_scale, causal,
+                       is_fp8_kvcache, indices, attn_sink, topk_length, kv_format, extra, backend, schedule, out):
+    """One-cache sparse decode over a plan given as tensors (``_given_plan``)."""
+    if any(val is not None for val in extra):
+        raise TypeError("tile_scheduler_metadata: a call over two caches plans on its first call and takes a "
+                        "FlashMLASchedMeta from get_mla_metadata(), not tensors")
+    if block_table is not None:
+        V.check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,))
+    if cache_seqlens is not None:
+        V.check_tensor("cache_seqlens", cache_seqlens, dim=1, dtypes=(torch.int32,))
+    fmt, _ = V.check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal,
+                                   kv_format, None)
+    kind = select_backend(q.device, backend)
+    sched = _resolve_schedule(schedule, SparseDecodeSchedule)
+    if kind == "cute":
+        cute.check_sparse_supported(k_cache, fmt)
+    b, s_q, h_q, _ = q.shape
+    topk = indices.shape[-1]
+    parts, scheduler = sparse_tensor_plan(sched, b=b, s_q=s_q, h_q=h_q, topk=topk, device=device_facts(q.device))
+    _check_plan_tensors(q, records, num_splits, parts,
+                        f"get_mla_decoding_metadata(cache_seqlens, {s_q * h_q}, 1, {h_q}, True, {topk})",
+                        f"batch {b}, s_q {s_q}, h_q {h_q}, topk {topk}")
+    softmax_scale = _given_scale(softmax_scale, q)
+    if kind == "reference":
+        _check_given_plan(records, num_splits, sparse_lengths(topk, None, b), parts, scheduler, f"topk ({topk})")
+        return _into(out, reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink,
+                                                      head_dim_v, fmt, None))
+    return cute.sparse_decode_given(q, k_cache, indices, topk_length, attn_sink, softmax_scale, records, num_splits,
+                                    sched, fmt, out)
+
+
+def _check_plan_tensors(q, records, num_splits, parts: int, hint: str, what: str) -> None:
+    """The plan tensors' types, dtypes, shapes (``[parts, 8]``, ``[b + 1]``), layout and device."""
+    b = q.shape[0]
+    for name, t, shape in (("tile_scheduler_metadata", records, (parts, 8)), ("num_splits", num_splits, (b + 1,))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor beside the other one (both from {hint}), got {V.type_name(t)}")
+        V.check_tensor(name, t, dim=len(shape), dtypes=(torch.int32,))
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}: the plan {hint} makes for this call ({what}), "
+                             f"got {list(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    V.check_same_device("q", q, tile_scheduler_metadata=records, num_splits=num_splits)
+
+
+def _given_scale(softmax_scale, q) -> float:
+    return q.shape[-1] ** -0.5 if softmax_scale is None else V.check_scale("softmax_scale", softmax_scale)
+
+
+def _check_given_plan(records, num_splits, lengths, parts: int, scheduler, what: str) -> None:
     """The reference backend's check of a plan given as tensors: the one ``get_mla_decoding_metadata`` makes over
-    this call's ``cache_seqlens`` (the cute backend cannot read it without waiting for the GPU, and trusts it)."""
-    want_records, want_splits = plan_splits(cache_seqlens.cpu(), parts, 64, *scheduler.policy())
+    ``lengths`` (the cute backend cannot read it without waiting for the GPU, and trusts it)."""
+    want_records, want_splits = plan_splits(lengths, parts, 64, *scheduler.policy())
     if not (torch.equal(records.cpu(), want_records) and torch.equal(num_splits.cpu(), want_splits)):
-        raise ValueError("tile_scheduler_metadata / num_splits hold another plan than "
-                         "get_mla_decoding_metadata makes over this call's cache_seqlens: make them again "
-                         "(or refresh them in place) when the lengths change")
+        raise ValueError(f"tile_scheduler_metadata / num_splits hold another plan than get_mla_decoding_metadata "
+                         f"makes over {what}: make them again (or refresh them in place) when the lengths change")
 
 
 def _capturing(q) -> bool:

@@ -8,7 +8,7 @@ from .planner import (RECORD_FIELDS, RECORD_SIZE, m_tiles_for, num_sm_parts_for,
                       sparse_lengths, sparse_num_sm_parts_for, whole_token_plan)
 from .resolve import (HOPPER, DenseCall, DeviceFacts, SparseCall, SparsePrefillCall, SparsePrefillFp8Call,
                       dense_precompile_steps, dense_tensor_plan, experiment, resolve_dense, resolve_sparse, resolve_sparse_prefill,
-                      resolve_sparse_prefill_fp8, sparse_precompile_steps,
+                      resolve_sparse_prefill_fp8, sparse_precompile_steps, sparse_tensor_plan,
                       sparse_prefill_precompile_configs)
 from .sparse import DEFAULT_SPARSE_SCHEDULE, SparseDecodeSchedule
 
@@ -32,6 +32,7 @@ __all__ = [
     "SparseCall",
     "resolve_dense",
     "dense_tensor_plan",
+    "sparse_tensor_plan",
     "resolve_sparse",
     "resolve_sparse_prefill",
     "resolve_sparse_prefill_fp8",

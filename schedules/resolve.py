@@ -212,6 +212,16 @@ def resolve_sparse(schedule: SparseDecodeSchedule, *, b: int, s_q: int, h_q: int
     return SparseCall(step, capture, parts, sched)
 
 
+def sparse_tensor_plan(schedule: SparseDecodeSchedule, *, b: int, s_q: int, h_q: int, topk: int,
+                       device: DeviceFacts = HOPPER) -> tuple[int, SchedulerConfig]:
+    """(parts, the scheduler's config) of the plan ``get_mla_decoding_metadata`` makes as tensors for ``b``
+    requests of ``topk`` tokens each over one cache: ``resolve_sparse``'s, a function of the shapes alone (not of
+    the sink, the format or ``topk_length``)."""
+    parts = schedule.num_sm_parts or sparse_num_sm_parts_for(device.num_sms, s_q, h_q)
+    small = schedule.small_plan(b, topk, parts)
+    return parts, SchedulerConfig(*schedule.plan_policy(s_q * h_q, small), lengths="topk")
+
+
 def _sparse_kernels(schedule: SparseDecodeSchedule, s_q: int, h_q: int, has_sink: bool, has_topk_length: bool,
                     small: bool, kv_format: str, extra_cache: str = ""
                     ) -> tuple[SparseSplitConfig, CombineConfig, SchedulerConfig]:

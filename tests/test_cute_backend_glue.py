@@ -1172,3 +1172,45 @@ def test_out_is_checked_on_every_call_before_any_launch(sparse_api_on_cute, bad,
     with pytest.raises((ValueError, TypeError), match=match):
         _sparse_call(q, k_cache, indices, meta, out=bad(), **kw)
     assert len(sparse_api_on_cute["steps"]) == steps
+
+
+# ------------------------------------------------------ plans given as tensors
+def test_dense_tensor_plan_is_made_by_the_scheduler_and_handed_to_the_step(recorder):
+    from mla_cute.backends import cute
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE, SchedulerConfig
+
+    sched = dataclasses.replace(DEFAULT_DENSE_SCHEDULE, num_sm_parts=5, split_fixed_cost=3)
+    q, k_cache, block_table, seqlens = _inputs()
+    records, splits = cute.plan_dense_tensors(seqlens, 12, 2, sched)
+    assert recorder["scheduler"] == [(SchedulerConfig(3, 4, 4), (5, 8), (4,))]
+    assert records.shape == (5, 8) and splits.shape == (4,) and records.dtype == splits.dtype == torch.int32
+    outs = [cute.dense_decode_given(q, k_cache, block_table, seqlens, 0.1, True, records, splits, sched)
+            for _ in range(2)]
+    assert len(recorder["compiled"]) == 1 and recorder["combine"] == [True, True]  # the capture step, once
+    first, second = recorder["steps"]
+    for (q_rows, k_arg, bt, sl, rec, spl, out_arg, lse_arg, o_acc, lse_acc, scale_log2), (out, lse) in zip(
+            recorder["steps"], outs):
+        assert rec is records and spl is splits and out_arg is out and lse_arg is lse and k_arg is k_cache
+        assert o_acc.shape == (3 + 5, 2, 12, 512) and lse_acc.shape == (3 + 5, 2, 12)
+    assert first[8] is second[8]  # the partials are kept with the records tensor
+
+
+def test_sparse_tensor_plan_is_made_by_the_scheduler_and_handed_to_the_step(sparse_recorder):
+    from mla_cute.backends import cute
+    from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, sparse_tensor_plan
+
+    sched = dataclasses.replace(DEFAULT_SPARSE_SCHEDULE, num_sm_parts=7)
+    q, k_cache, indices = _sparse_inputs()
+    records, splits = cute.plan_sparse_tensors(3, 2, 128, 128, sched, q.device)
+    config, planned, sched_shape, splits_shape = sparse_recorder["scheduler"][0]
+    assert (7, config) == sparse_tensor_plan(sched, b=3, s_q=2, h_q=128, topk=128)
+    assert planned.tolist() == [128] * 3 and sched_shape == (7, 8) and splits_shape == (4,)
+    sink = torch.zeros(128)
+    out, lse = cute.sparse_decode_given(q, k_cache, indices, None, sink, 0.25, records, splits, sched, "V32")
+    cute.sparse_decode_given(q, k_cache, indices, None, sink, 0.25, records, splits, sched, "V32")
+    assert len(sparse_recorder["compiled"]) == 1 and sparse_recorder["compiled"][0].with_combine
+    (qq, cache, idx, tl, x_cache, x_idx, x_len, rec, spl, o, l, o_acc, lse_acc, sk, top, scale) = \
+        sparse_recorder["steps"][0]
+    assert rec is records and spl is splits and o is out and l is lse and idx is indices and sk is sink
+    assert tl is None and x_cache is None and top is None and cache.dtype == torch.int32
+    assert o_acc.shape[0] == 3 + 7 and o_acc is sparse_recorder["steps"][1][11]

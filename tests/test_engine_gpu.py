@@ -135,6 +135,42 @@ def test_dense_tensor_plan_in_graph_buffers_as_sglang_refreshes_them(s_q, h_q):
                 _check((out, lse), _dense_ref(case, True))
 
 
+def test_sparse_tensor_plan_in_graph_buffers():
+    """V3.2 sparse decode over a plan given as tensors (SGLang's DSA decode): buffers made at the largest batch,
+    a graph captured with them, new q, cache and indices and a refreshed plan before each replay."""
+    import mla_cute
+
+    max_bs, bs, s_q, h_q, topk = 16, 6, 2, 128, 1024
+    with torch.inference_mode():
+        plan_buf, splits_buf = mla_cute.get_mla_decoding_metadata(
+            torch.ones(max_bs, dtype=torch.int32, device="cuda"), s_q * h_q, 1, h_q, True, topk)
+        case = _inference_copy(make_sparse_case(bs, s_q, h_q, 4096, topk, 64, seed=12))
+        lengths = torch.full((bs,), 4096, dtype=torch.int32, device="cuda")
+        plan, splits = mla_cute.get_mla_decoding_metadata(lengths, s_q * h_q, 1, h_q, True, topk)
+        plan_buf.copy_(plan)
+        splits_buf[: bs + 1].copy_(splits)
+
+        def call():
+            return mla_cute.flash_mla_with_kvcache(case["q"], case["k_cache"], None, lengths, 512, plan_buf,
+                                                   splits_buf[: bs + 1], None, False, True, case["indices"])
+
+        _check(call(), _sparse_ref(case))  # outside a graph (compiles)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, lse = call()
+        for seed in (13, 14):
+            fresh = make_sparse_case(bs, s_q, h_q, 4096, topk, 64, seed=seed)
+            for k in ("q", "k_cache", "indices"):
+                case[k].copy_(fresh[k])
+            plan, splits = mla_cute.get_mla_decoding_metadata(lengths, s_q * h_q, 1, h_q, True, topk)
+            plan_buf.copy_(plan)
+            splits_buf[: bs + 1].copy_(splits)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            _check((out, lse), _sparse_ref(case))
+
+
 def test_sparse_reuse_replay_and_cuda_graph_in_inference_mode():
     import mla_cute
 

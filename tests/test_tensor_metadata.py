@@ -79,8 +79,12 @@ def test_out_is_written_in_place():
     (lambda L: get_mla_decoding_metadata(L, 16, 2, 15), ValueError, "h_q"),
     (lambda L: get_mla_decoding_metadata(L, 16, 1, None, 1), TypeError, "is_fp8_kvcache"),
     (lambda L: get_mla_decoding_metadata(L, 16, 1, None, True), NotImplementedError, "is_fp8_kvcache"),
-    (lambda L: get_mla_decoding_metadata(L, 16, 1, 16, True, 2048), NotImplementedError, "is_fp8_kvcache"),
-    (lambda L: get_mla_decoding_metadata(L, 16, 1, 16, False, 2048), NotImplementedError, "topk"),
+    (lambda L: get_mla_decoding_metadata(L, 16, 1, 16, False, 2048), ValueError, "is_fp8_kvcache must be True"),
+    (lambda L: get_mla_decoding_metadata(L, 16, 1, None, True, 2048), ValueError, "h_q must be given"),
+    (lambda L: get_mla_decoding_metadata(L, 32, 2, 16, True, 2048), ValueError, "h_k be 1"),
+    (lambda L: get_mla_decoding_metadata(L, 24, 1, 16, True, 2048), ValueError, "multiple of h_q"),
+    (lambda L: get_mla_decoding_metadata(L, 16, 1, 16, True, 0), ValueError, "topk must be >= 1"),
+    (lambda L: get_mla_decoding_metadata(L, 16, 1, 16, True, 2048.0), TypeError, "topk must be an int"),
     (lambda L: get_mla_decoding_metadata(L, 16, 1, use_legacy=None), TypeError, "use_legacy"),
 ])
 def test_metadata_arguments_are_checked(call, err, match):
@@ -104,7 +108,7 @@ def test_the_call_checks_the_plan_tensors_shapes():
         with pytest.raises(err, match=match):
             flash_mla_with_kvcache(q, cache, table, lengths, 512, p, s)
     indices = torch.zeros(4, 1, 64, dtype=torch.int32)
-    with pytest.raises(TypeError, match="sparse decode plans on its first call"):
+    with pytest.raises(ValueError, match="another plan"):  # a dense plan where a sparse one is due
         flash_mla_with_kvcache(q, mla_cute.quantize_kv_cache(cache), None, None, 512, plan, splits, indices=indices)
 
 
@@ -112,3 +116,59 @@ def test_a_metadata_object_still_refuses_num_splits():
     q, cache, table, lengths = _case(2)
     with pytest.raises(ValueError, match="num_splits must be None with a FlashMLASchedMeta"):
         flash_mla_with_kvcache(q, cache, table, lengths, 512, get_mla_metadata()[0], 3)
+
+
+def _sparse_case(b, h_q=16, s_q=1, topk=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s_q, h_q, 576, generator=g).bfloat16()
+    cache = mla_cute.quantize_kv_cache((torch.randn(6, 64, 1, 576, generator=g) * 0.3).bfloat16())
+    indices = torch.randint(-1, 6 * 64, (b, s_q, topk), generator=g, dtype=torch.int32)
+    return q, cache, indices
+
+
+def test_sparse_plan_buffers_refreshed_as_an_engine_does():
+    """SGLang's V3.2 decode over the FP8 cache: plan buffers from the largest batch, refreshed and sliced."""
+    max_bs, h_q, s_q, topk = 8, 16, 2, 128
+    rows = s_q * h_q
+    plan_buf, splits_buf = get_mla_decoding_metadata(torch.ones(max_bs, dtype=torch.int32), rows, 1, h_q, True, topk)
+    for step, bs in enumerate((8, 3)):
+        q, cache, indices = _sparse_case(bs, h_q, s_q, topk, seed=step)
+        lengths = torch.full((bs,), 500, dtype=torch.int32)
+        plan, splits = get_mla_decoding_metadata(lengths, rows, 1, h_q, True, topk)
+        assert plan.shape == plan_buf.shape
+        plan_buf.copy_(plan)
+        splits_buf[: bs + 1].copy_(splits)
+        table = torch.zeros(bs, 0, dtype=torch.int32)  # as SGLang passes it: no blocks
+        got = flash_mla_with_kvcache(q, cache, table, lengths, 512, plan_buf, splits_buf[: bs + 1], None, False,
+                                     True, indices)
+        want = flash_mla_with_kvcache(q, cache, None, None, 512, get_mla_metadata()[0], is_fp8_kvcache=True,
+                                      indices=indices)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_sparse_plan_is_the_one_its_first_call_makes():
+    from mla_cute.schedules import DEFAULT_SPARSE_SCHEDULE, resolve_sparse, sparse_tensor_plan
+
+    for b, s_q, h_q, topk in ((2, 1, 128, 2048), (64, 2, 64, 2048), (4, 1, 16, 128), (300, 1, 128, 512)):
+        call = resolve_sparse(DEFAULT_SPARSE_SCHEDULE, b=b, s_q=s_q, h_q=h_q, topk=topk, has_sink=True,
+                              has_topk_length=True, capturing=True, kv_format="V4")
+        assert sparse_tensor_plan(DEFAULT_SPARSE_SCHEDULE, b=b, s_q=s_q, h_q=h_q, topk=topk) == (call.parts,
+                                                                                               call.scheduler)
+
+
+def test_a_sparse_plan_for_another_topk_or_two_caches_is_refused():
+    q, cache, indices = _sparse_case(3)
+    lengths = torch.ones(3, dtype=torch.int32)
+    other = get_mla_decoding_metadata(lengths, 16, 1, 16, True, 4096)
+    with pytest.raises(ValueError, match="another plan"):
+        flash_mla_with_kvcache(q, cache, None, None, 512, *other, is_fp8_kvcache=True, indices=indices)
+    plan = get_mla_decoding_metadata(lengths, 16, 1, 16, True, 128)
+    with pytest.raises(TypeError, match="two caches plans on its first call"):
+        flash_mla_with_kvcache(q, cache, None, None, 512, *plan, is_fp8_kvcache=True, indices=indices,
+                               extra_k_cache=cache, extra_indices_in_kvcache=indices)
+    sink, topk_length = torch.randn(16), torch.tensor([128, 5, 0], dtype=torch.int32)
+    got = flash_mla_with_kvcache(q, cache, None, None, 512, *plan, is_fp8_kvcache=True, indices=indices,
+                                 attn_sink=sink, topk_length=topk_length)
+    want = flash_mla_with_kvcache(q, cache, None, None, 512, get_mla_metadata()[0], is_fp8_kvcache=True,
+                                  indices=indices, attn_sink=sink, topk_length=topk_length)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

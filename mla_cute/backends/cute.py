@@ -21,7 +21,8 @@ from ..schedules.configs import WriteCacheConfig
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.planner import whole_token_plan
 from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, dense_tensor_plan, resolve_dense, resolve_sparse, resolve_sparse_prefill,
-                                resolve_sparse_prefill_fp8, sparse_precompile_steps, sparse_prefill_precompile_configs)
+                                resolve_sparse_prefill_fp8, sparse_precompile_steps, sparse_prefill_precompile_configs,
+                                sparse_tensor_plan)
 from ..schedules.sparse import SparseDecodeSchedule
 
 _LOG2_E = math.log2(math.e)
@@ -457,6 +458,62 @@ def launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink,
         topk_length.contiguous() if topk_length is not None else None,
         *two,
         meta.tile_scheduler_metadata, meta.num_splits, out, lse, plan.o_accum, plan.lse_accum,
+        attn_sink.contiguous() if attn_sink is not None else None,
+        None,  # max_logits: decode has none
+        softmax_scale * _LOG2_E,
+    )
+    return out, lse
+
+
+# ---------------------------------------------------------------- sparse decode over a plan given as tensors
+def plan_sparse_tensors(b: int, s_q: int, h_q: int, topk: int, schedule: SparseDecodeSchedule, device):
+    """``get_mla_decoding_metadata``'s sparse plan on the GPU: (records, num_splits) for ``b`` requests of
+    ``topk`` tokens each (``sparse_tensor_plan``)."""
+    parts, scheduler = sparse_tensor_plan(schedule, b=b, s_q=s_q, h_q=h_q, topk=topk, device=device_facts(device))
+    return run_scheduler(scheduler, full_lengths(b, topk, device), parts, topk)
+
+
+class GivenSparsePlan:
+    """A one-cache sparse call's kernels and partials for plans given as tensors (``resolve_sparse``'s capture
+    step, whose plan is ``sparse_tensor_plan``'s), kept on the records tensor per call shape."""
+
+    __slots__ = ("step", "o_accum", "lse_accum", "b", "s_q", "h_q", "dtype", "kv_format")
+
+    def __init__(self, q, topk: int, has_topk_length: bool, has_sink: bool, schedule: SparseDecodeSchedule,
+                 kv_format: str):
+        from ..kernels.build import compile_sparse
+
+        b, s_q, h_q, _ = q.shape
+        self.b, self.s_q, self.h_q, self.dtype, self.kv_format = b, s_q, h_q, q.dtype, kv_format
+        call = resolve_sparse(schedule, b=b, s_q=s_q, h_q=h_q, topk=topk, has_sink=has_sink,
+                              has_topk_length=has_topk_length, device=device_facts(q.device), capturing=True,
+                              kv_format=kv_format)
+        self.step = compile_sparse(call.capture_step)
+        partials = q.dtype if call.capture_step.split.partials_16bit else torch.float32
+        self.o_accum, self.lse_accum = _partials(b, call.parts, 1, s_q * h_q, q.device, partials)
+
+
+def sparse_decode_given(q, k_cache, indices, topk_length, attn_sink, softmax_scale, records, num_splits,
+                        schedule: SparseDecodeSchedule, kv_format: str, out=None):
+    """One-cache sparse decode over the plan in ``records`` / ``num_splits`` (made by ``plan_sparse_tensors``;
+    their shapes checked against this call by the caller), as ``dense_decode_given``."""
+    plans = getattr(records, "_mla_cute_plans", None)
+    if plans is None:
+        plans = records._mla_cute_plans = {}
+    key = ("sparse", q.dtype, tuple(q.shape), indices.shape[-1], topk_length is not None, attn_sink is not None,
+           kv_format, schedule, q.device)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = GivenSparsePlan(q, indices.shape[-1], topk_length is not None, attn_sink is not None,
+                                            schedule, kv_format)
+    out, lse = _outputs(plan, q.device, out)
+    plan.step(
+        q if _aligned(q) else _packed_copy(q),
+        cache_words(k_cache, kv_format),
+        indices if indices.stride(-1) == 1 else indices.contiguous(),
+        topk_length.contiguous() if topk_length is not None else None,
+        None, None, None,
+        records, num_splits, out, lse, plan.o_accum, plan.lse_accum,
         attn_sink.contiguous() if attn_sink is not None else None,
         None,  # max_logits: decode has none
         softmax_scale * _LOG2_E,
