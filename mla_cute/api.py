@@ -159,8 +159,10 @@ def get_mla_decoding_metadata(seqlens_k: torch.Tensor, num_q_tokens_per_head_k: 
             raise TypeError(f"{name} must be an int, got {V.type_name(val)}")
         if val < 1:
             raise ValueError(f"{name} must be >= 1, got {val}")
-    if h_q is not None and (type(h_q) is not int or h_q < 1 or h_q % h_k):
-        raise ValueError(f"h_q must be None or a positive multiple of h_k ({h_k}), got {h_q!r}")
+    if h_q is not None and type(h_q) is not int:
+        raise TypeError(f"h_q must be an int or None, got {V.type_name(h_q)}")
+    if h_q is not None and (h_q < 1 or h_q % h_k):
+        raise ValueError(f"h_q must be None or a positive multiple of h_k ({h_k}), got {h_q}")
     for name, val in (("is_fp8_kvcache", is_fp8_kvcache), ("use_legacy", use_legacy)):
         if type(val) is not bool:
             raise TypeError(f"{name} must be a bool, got {V.type_name(val)}")
@@ -174,7 +176,10 @@ def get_mla_decoding_metadata(seqlens_k: torch.Tensor, num_q_tokens_per_head_k: 
     if select_backend(device, backend) == "cute":
         return cute.plan_dense_tensors(seqlens_k, rows, h_k, sched)
     parts, scheduler = dense_tensor_plan(sched, rows=rows, h_kv=h_k, device=device_facts(device))
-    records, splits = plan_splits(seqlens_k.cpu(), parts, 64, *scheduler.policy())
+    lengths = seqlens_k.cpu()
+    if int(lengths.min()) < 0:  # read on the host here anyway (the cute backend's scheduler clamps them)
+        raise ValueError(f"seqlens_k must be >= 0, got a minimum of {int(lengths.min())}")
+    records, splits = plan_splits(lengths, parts, 64, *scheduler.policy())
     return records.to(device), splits.to(device)
 
 
@@ -533,7 +538,8 @@ def _given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num
     softmax_scale = _given_scale(softmax_scale, q)
     masked = causal and s_q > 1
     if kind == "reference":
-        _check_given_plan(records, num_splits, cache_seqlens.cpu(), parts, scheduler, "this call's cache_seqlens")
+        host_lengths = V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
+        _check_given_plan(records, num_splits, host_lengths, parts, scheduler, "this call's cache_seqlens")
         cache = dequantize_kv_cache(k_cache) if is_fp8_kvcache else k_cache
         return _into(out, reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, masked,
                                                  head_dim_v))

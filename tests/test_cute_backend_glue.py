@@ -1187,12 +1187,10 @@ def test_dense_tensor_plan_is_made_by_the_scheduler_and_handed_to_the_step(recor
     outs = [cute.dense_decode_given(q, k_cache, block_table, seqlens, 0.1, True, records, splits, sched)
             for _ in range(2)]
     assert len(recorder["compiled"]) == 1 and recorder["combine"] == [True, True]  # the capture step, once
-    first, second = recorder["steps"]
     for (q_rows, k_arg, bt, sl, rec, spl, out_arg, lse_arg, o_acc, lse_acc, scale_log2), (out, lse) in zip(
             recorder["steps"], outs):
         assert rec is records and spl is splits and out_arg is out and lse_arg is lse and k_arg is k_cache
-        assert o_acc.shape == (3 + 5, 2, 12, 512) and lse_acc.shape == (3 + 5, 2, 12)
-    assert first[8] is second[8]  # the partials are kept with the records tensor
+        assert o_acc.shape == (3 + 5, 2, 12, 512) and lse_acc.shape == (3 + 5, 2, 12)  # a call's partials
 
 
 def test_sparse_tensor_plan_is_made_by_the_scheduler_and_handed_to_the_step(sparse_recorder):
@@ -1213,4 +1211,16 @@ def test_sparse_tensor_plan_is_made_by_the_scheduler_and_handed_to_the_step(spar
         sparse_recorder["steps"][0]
     assert rec is records and spl is splits and o is out and l is lse and idx is indices and sk is sink
     assert tl is None and x_cache is None and top is None and cache.dtype == torch.int32
-    assert o_acc.shape[0] == 3 + 7 and o_acc is sparse_recorder["steps"][1][11]
+    assert o_acc.shape[0] == 3 + 7 and lse_acc.shape[0] == 3 + 7
+
+
+def test_full_lengths_inside_a_capture_are_the_graphs_own():
+    """Lengths made for a call that passes none: shared outside a CUDA graph capture (read at once), a fresh tensor
+    inside one (the graph reads it on every replay; a shared one could be dropped from the cache and freed)."""
+    from mla_cute.backends import cute
+
+    shared = cute.full_lengths(5, 77, torch.device("cpu"), False)
+    assert cute.full_lengths(5, 77, torch.device("cpu"), False) is shared
+    inside = cute.full_lengths(5, 77, torch.device("cpu"), True)
+    assert inside is not shared and inside.tolist() == [77] * 5
+    assert cute.full_lengths(5, 77, torch.device("cpu"), True) is not inside

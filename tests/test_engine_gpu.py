@@ -144,7 +144,8 @@ def test_sparse_tensor_plan_in_graph_buffers():
     with torch.inference_mode():
         plan_buf, splits_buf = mla_cute.get_mla_decoding_metadata(
             torch.ones(max_bs, dtype=torch.int32, device="cuda"), s_q * h_q, 1, h_q, True, topk)
-        case = _inference_copy(make_sparse_case(bs, s_q, h_q, 4096, topk, 64, seed=12))
+        case = _inference_copy(make_sparse_case(bs, s_q, h_q, 4096, topk, 64, topk_length=[1024, 0, 3, 700, 1024, 64],
+                                                attn_sink=torch.randn(h_q), seed=12))
         lengths = torch.full((bs,), 4096, dtype=torch.int32, device="cuda")
         plan, splits = mla_cute.get_mla_decoding_metadata(lengths, s_q * h_q, 1, h_q, True, topk)
         plan_buf.copy_(plan)
@@ -152,7 +153,8 @@ def test_sparse_tensor_plan_in_graph_buffers():
 
         def call():
             return mla_cute.flash_mla_with_kvcache(case["q"], case["k_cache"], None, lengths, 512, plan_buf,
-                                                   splits_buf[: bs + 1], None, False, True, case["indices"])
+                                                   splits_buf[: bs + 1], None, False, True, case["indices"],
+                                                   case["attn_sink"], topk_length=case["topk_length"])
 
         _check(call(), _sparse_ref(case))  # outside a graph (compiles)
         graph = torch.cuda.CUDAGraph()

@@ -77,6 +77,8 @@ def test_out_is_written_in_place():
     (lambda L: get_mla_decoding_metadata(L, 0, 1), ValueError, "num_q_tokens_per_head_k"),
     (lambda L: get_mla_decoding_metadata(L, 16, 0), ValueError, "h_k"),
     (lambda L: get_mla_decoding_metadata(L, 16, 2, 15), ValueError, "h_q"),
+    (lambda L: get_mla_decoding_metadata(L, 16, 1, 16.0), TypeError, "h_q must be an int"),
+    (lambda L: get_mla_decoding_metadata(-L, 16, 1), ValueError, "seqlens_k must be >= 0"),
     (lambda L: get_mla_decoding_metadata(L, 16, 1, None, 1), TypeError, "is_fp8_kvcache"),
     (lambda L: get_mla_decoding_metadata(L, 16, 1, None, True), NotImplementedError, "is_fp8_kvcache"),
     (lambda L: get_mla_decoding_metadata(L, 16, 1, 16, False, 2048), ValueError, "is_fp8_kvcache must be True"),
@@ -172,3 +174,12 @@ def test_a_sparse_plan_for_another_topk_or_two_caches_is_refused():
     want = flash_mla_with_kvcache(q, cache, None, None, 512, get_mla_metadata()[0], is_fp8_kvcache=True,
                                   indices=indices, attn_sink=sink, topk_length=topk_length)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_reference_checks_the_lengths_of_a_given_plan_call():
+    """As a first call with a metadata object: lengths past the block table are refused, naming cache_seqlens."""
+    q, cache, table, lengths = _case(2)
+    long = torch.tensor([300, 1000], dtype=torch.int32)
+    plan, splits = get_mla_decoding_metadata(long, 16, 1)
+    with pytest.raises(ValueError, match="cache_seqlens has a length of 1000"):
+        flash_mla_with_kvcache(q, cache, table, long, 512, plan, splits)

@@ -208,53 +208,62 @@ def replay_dense(plan: DensePlan, q, k_cache, block_table, cache_seqlens, meta, 
 
 
 # ---------------------------------------------------------------- dense decode over a plan given as tensors
-# The scheduler's lengths bound when the plan is made before the call (``get_mla_decoding_metadata``): none.  The
-# split kernel serves each request within its block-table row and its length whatever the plan says.
-_UNBOUNDED = 2**31 - 1
+# A plan made before the call (``get_mla_decoding_metadata``) knows no block table: the scheduler takes each length
+# within a bound that keeps its int32 sums of b requests' blocks from overflowing (far above any cache's length).
+# The split kernel serves each request within its block-table row and its length whatever the plan says.
+def _unknown_table_bound(b: int) -> int:
+    return (2**31 - 1) // (b + 1)
 
 
 def plan_dense_tensors(seqlens_k, rows: int, h_kv: int, schedule: DenseDecodeSchedule):
     """``get_mla_decoding_metadata``'s plan on the GPU: (records ``[parts, 8]``, num_splits ``[b + 1]``) over
     ``seqlens_k`` for requests of ``rows`` query rows a KV head (``dense_tensor_plan``)."""
     parts, scheduler = dense_tensor_plan(schedule, rows=rows, h_kv=h_kv, device=device_facts(seqlens_k.device))
-    return run_scheduler(scheduler, seqlens_k, parts, _UNBOUNDED)
+    return run_scheduler(scheduler, seqlens_k, parts, _unknown_table_bound(seqlens_k.shape[0]))
 
 
-class GivenDensePlan:
-    """A dense call's kernels and partials for plans given as tensors: the step of a plan the host does not know
-    (``resolve_dense``'s capture step), kept on the records tensor per call shape."""
+# The compiled step, part count and partials' dtype of a call over a given plan, by the call's facts (no tensors).
+_GIVEN_STEPS: dict = {}
 
-    __slots__ = ("step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype")
 
-    def __init__(self, q, k_cache, causal, schedule: DenseDecodeSchedule):
-        from ..kernels.build import compile_dense
+def _given_step(key, make):
+    entry = _GIVEN_STEPS.get(key)
+    if entry is None:
+        entry = _GIVEN_STEPS[key] = make()
+    return entry
 
-        b, s_q, h_q, _ = q.shape
-        page, h_kv = k_cache.shape[1], k_cache.shape[2]
-        self.b, self.s_q, self.h_q, self.h_kv, self.dtype = b, s_q, h_q, h_kv, q.dtype
-        call = resolve_dense(schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=s_q, h_q=h_q, h_kv=h_kv,
-                             causal=causal, page=page, device=device_facts(q.device))
-        assert call.fill_parts == 0  # the plan of unknown lengths has no fill parts (``dense_tensor_plan``)
-        self.step = compile_dense(call.capture_step)
-        self.o_accum, self.lse_accum = _partials(b, call.parts, h_kv, s_q * (h_q // h_kv), q.device)
+
+class _GivenShape:
+    """What ``_outputs`` reads of a plan: the call's shape and dtype."""
+
+    __slots__ = ("b", "s_q", "h_q", "dtype")
+
+    def __init__(self, q):
+        self.b, self.s_q, self.h_q, _ = q.shape
+        self.dtype = q.dtype
 
 
 def dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, records, num_splits,
                        schedule: DenseDecodeSchedule, out=None):
     """Dense decode over the plan in ``records`` / ``num_splits`` (made by ``plan_dense_tensors``; their shapes
-    checked against this call by the caller).  The partials live with the records tensor (one buffer an engine
-    keeps for its CUDA graphs), one set per call shape."""
-    plans = getattr(records, "_mla_cute_plans", None)
-    if plans is None:
-        plans = records._mla_cute_plans = {}
-    key = (q.dtype, tuple(q.shape), tuple(k_cache.shape[1:3]), causal, schedule, q.device)
-    plan = plans.get(key)
-    if plan is None:
-        plan = plans[key] = GivenDensePlan(q, k_cache, causal, schedule)
-    rows = query_rows(q, plan.h_kv)
-    out, lse = _outputs(plan, q.device, out)
-    plan.step(rows, k_cache, block_table, cache_seqlens, records, num_splits, out, lse, plan.o_accum, plan.lse_accum,
-              softmax_scale * _LOG2_E)
+    checked against this call by the caller): ``resolve_dense``'s capture step, the partials allocated a call (as
+    FlashMLA does: inside CUDA graphs sharing a memory pool, the largest batch's)."""
+    from ..kernels.build import compile_dense
+
+    b, s_q, h_q, _ = q.shape
+    page, h_kv = k_cache.shape[1], k_cache.shape[2]
+
+    def make():
+        call = resolve_dense(schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=s_q, h_q=h_q, h_kv=h_kv,
+                             causal=causal, page=page, device=device_facts(q.device))
+        assert call.fill_parts == 0  # the plan of unknown lengths has no fill parts (``dense_tensor_plan``)
+        return compile_dense(call.capture_step), call.parts
+
+    step, parts = _given_step(("dense", q.dtype, s_q, h_q, h_kv, causal, page, schedule, q.device), make)
+    o_accum, lse_accum = _partials(b, parts, h_kv, s_q * (h_q // h_kv), q.device)
+    out, lse = _outputs(_GivenShape(q), q.device, out)
+    step(query_rows(q, h_kv), k_cache, block_table, cache_seqlens, records, num_splits, out, lse, o_accum, lse_accum,
+         softmax_scale * _LOG2_E)
     return out, lse
 
 
@@ -374,19 +383,20 @@ class SparsePlan:
         # The scheduler reads the call's lengths tensors as they are (``SchedulerConfig.lengths``), so no torch
         # operation runs before it (inside a CUDA graph each would be one more kernel a replay).
         given = topk_length is not None
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         extra_topk = 0
         if extra is None:
             total = topk
-            main = topk_length if given else full_lengths(b, topk, q.device)
+            main = topk_length if given else full_lengths(b, topk, q.device, capturing)
         else:
             extra_topk = extra[2].shape[-1]
             total = -(-topk // 64) * 64 + extra_topk
-            self.full = (full_lengths(b, topk, q.device), full_lengths(b, extra_topk, q.device))
+            self.full = (full_lengths(b, topk, q.device, capturing), full_lengths(b, extra_topk, q.device, capturing))
             main, more = self.lengths(topk_length, extra[3])
         call = self.config = resolve_sparse(
             schedule, b=b, s_q=s_q, h_q=h_q, topk=total, has_sink=has_sink, has_topk_length=given or extra is not None,
-            device=device_facts(q.device), capturing=q.is_cuda and torch.cuda.is_current_stream_capturing(),
-            kv_format=kv_format, extra_cache=extra[1] if extra is not None else "")
+            device=device_facts(q.device), capturing=capturing, kv_format=kv_format,
+            extra_cache=extra[1] if extra is not None else "")
         _, self.step = compile_all([(compile_sparse, call.capture_step), (compile_sparse, call.step),
                                     (compile_scheduler, call.scheduler)])[:2]
         partials = q.dtype if call.step.split.partials_16bit else torch.float32
@@ -410,16 +420,17 @@ class SparsePlan:
 _FULL_LENGTHS: dict = {}
 
 
-def full_lengths(b: int, value: int, device) -> torch.Tensor:
+def full_lengths(b: int, value: int, device, capturing: bool) -> torch.Tensor:
     """An int32 ``[b]`` tensor of ``value`` each, the lengths of a call that passes none (never written).  Made
-    outside a CUDA graph capture, it is kept and shared (a few); made inside one (a fill kernel in the graph),
-    it is not kept, since it lives in the graph's memory."""
+    outside a CUDA graph capture, it is kept and shared (a few, the oldest dropped first: its readers run at once);
+    inside one (``capturing``: a fill kernel in the graph) it is always a fresh one in the graph's memory, since
+    the graph reads it on every replay and a shared one could be dropped and its memory reused."""
     key = (b, value, device)
+    if capturing:
+        return torch.full((b,), value, dtype=torch.int32, device=device)
     t = _FULL_LENGTHS.get(key)
-    if t is not None:
-        return t
-    t = torch.full((b,), value, dtype=torch.int32, device=device)
-    if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if t is None:
+        t = torch.full((b,), value, dtype=torch.int32, device=device)
         if len(_FULL_LENGTHS) >= 32:
             _FULL_LENGTHS.pop(next(iter(_FULL_LENGTHS)))
         _FULL_LENGTHS[key] = t
@@ -470,51 +481,38 @@ def plan_sparse_tensors(b: int, s_q: int, h_q: int, topk: int, schedule: SparseD
     """``get_mla_decoding_metadata``'s sparse plan on the GPU: (records, num_splits) for ``b`` requests of
     ``topk`` tokens each (``sparse_tensor_plan``)."""
     parts, scheduler = sparse_tensor_plan(schedule, b=b, s_q=s_q, h_q=h_q, topk=topk, device=device_facts(device))
-    return run_scheduler(scheduler, full_lengths(b, topk, device), parts, topk)
-
-
-class GivenSparsePlan:
-    """A one-cache sparse call's kernels and partials for plans given as tensors (``resolve_sparse``'s capture
-    step, whose plan is ``sparse_tensor_plan``'s), kept on the records tensor per call shape."""
-
-    __slots__ = ("step", "o_accum", "lse_accum", "b", "s_q", "h_q", "dtype", "kv_format")
-
-    def __init__(self, q, topk: int, has_topk_length: bool, has_sink: bool, schedule: SparseDecodeSchedule,
-                 kv_format: str):
-        from ..kernels.build import compile_sparse
-
-        b, s_q, h_q, _ = q.shape
-        self.b, self.s_q, self.h_q, self.dtype, self.kv_format = b, s_q, h_q, q.dtype, kv_format
-        call = resolve_sparse(schedule, b=b, s_q=s_q, h_q=h_q, topk=topk, has_sink=has_sink,
-                              has_topk_length=has_topk_length, device=device_facts(q.device), capturing=True,
-                              kv_format=kv_format)
-        self.step = compile_sparse(call.capture_step)
-        partials = q.dtype if call.capture_step.split.partials_16bit else torch.float32
-        self.o_accum, self.lse_accum = _partials(b, call.parts, 1, s_q * h_q, q.device, partials)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return run_scheduler(scheduler, full_lengths(b, topk, device, capturing), parts, topk)
 
 
 def sparse_decode_given(q, k_cache, indices, topk_length, attn_sink, softmax_scale, records, num_splits,
                         schedule: SparseDecodeSchedule, kv_format: str, out=None):
     """One-cache sparse decode over the plan in ``records`` / ``num_splits`` (made by ``plan_sparse_tensors``;
     their shapes checked against this call by the caller), as ``dense_decode_given``."""
-    plans = getattr(records, "_mla_cute_plans", None)
-    if plans is None:
-        plans = records._mla_cute_plans = {}
-    key = ("sparse", q.dtype, tuple(q.shape), indices.shape[-1], topk_length is not None, attn_sink is not None,
-           kv_format, schedule, q.device)
-    plan = plans.get(key)
-    if plan is None:
-        plan = plans[key] = GivenSparsePlan(q, indices.shape[-1], topk_length is not None, attn_sink is not None,
-                                            schedule, kv_format)
-    out, lse = _outputs(plan, q.device, out)
-    plan.step(
+    from ..kernels.build import compile_sparse
+
+    b, s_q, h_q, _ = q.shape
+    topk, has_topk_length, has_sink = indices.shape[-1], topk_length is not None, attn_sink is not None
+
+    def make():
+        call = resolve_sparse(schedule, b=b, s_q=s_q, h_q=h_q, topk=topk, has_sink=has_sink,
+                              has_topk_length=has_topk_length, device=device_facts(q.device), capturing=True,
+                              kv_format=kv_format)
+        partials = q.dtype if call.capture_step.split.partials_16bit else torch.float32
+        return compile_sparse(call.capture_step), call.parts, partials
+
+    step, parts, partials = _given_step(
+        ("sparse", q.dtype, b, s_q, h_q, topk, has_topk_length, has_sink, kv_format, schedule, q.device), make)
+    o_accum, lse_accum = _partials(b, parts, 1, s_q * h_q, q.device, partials)
+    out, lse = _outputs(_GivenShape(q), q.device, out)
+    step(
         q if _aligned(q) else _packed_copy(q),
         cache_words(k_cache, kv_format),
         indices if indices.stride(-1) == 1 else indices.contiguous(),
-        topk_length.contiguous() if topk_length is not None else None,
+        topk_length.contiguous() if has_topk_length else None,
         None, None, None,
-        records, num_splits, out, lse, plan.o_accum, plan.lse_accum,
-        attn_sink.contiguous() if attn_sink is not None else None,
+        records, num_splits, out, lse, o_accum, lse_accum,
+        attn_sink.contiguous() if has_sink else None,
         None,  # max_logits: decode has none
         softmax_scale * _LOG2_E,
     )
