@@ -33,6 +33,8 @@ from .schedules import (
 )
 
 _SCHEDULE_TYPES = (DenseDecodeSchedule, SparseDecodeSchedule)
+_Q_DTYPES = V.HALF_DTYPES + (torch.float8_e4m3fn,)
+_OUT_DTYPE = {torch.float8_e4m3fn: torch.bfloat16}  # out's dtype where it is not q's
 _DEFAULT_SCALE = D_QK ** -0.5
 _INF = float("inf")
 _LOG2_E = math.log2(math.e)
@@ -169,11 +171,12 @@ def get_mla_decoding_metadata(seqlens_k: torch.Tensor, num_q_tokens_per_head_k: 
     if topk is not None:
         return _sparse_decoding_metadata(seqlens_k, num_q_tokens_per_head_k, h_k, h_q, is_fp8_kvcache, topk,
                                          schedule, backend)
-    if is_fp8_kvcache:
-        raise NotImplementedError("is_fp8_kvcache=True: dense decode over the FP8 cache has no kernel yet")
     sched = _resolve_schedule(schedule, DenseDecodeSchedule)
     rows, device = num_q_tokens_per_head_k, seqlens_k.device
     if select_backend(device, backend) == "cute":
+        if is_fp8_kvcache:
+            raise NotImplementedError("is_fp8_kvcache=True: dense decode over the FP8 cache has no 'cute' kernel "
+                                      "yet (backend='reference' runs it)")
         return cute.plan_dense_tensors(seqlens_k, rows, h_k, sched)
     parts, scheduler = dense_tensor_plan(sched, rows=rows, h_kv=h_k, device=device_facts(device))
     lengths = seqlens_k.cpu()
@@ -380,11 +383,12 @@ def flash_mla_with_kvcache(
         causal = V.check_causal(causal)
     if is_fp8_kvcache is None:  # FlashMLA's Hopper build: inferred from indices
         is_fp8_kvcache = indices is not None
-    if enable_batch_invariant is not False or use_legacy is not False or descale_q is not None or descale_k is not None:
-        _check_hopper_build_arguments(enable_batch_invariant, use_legacy, descale_q, descale_k)
-    if out is not None and isinstance(q, torch.Tensor) and q.dim() == 4 and q.dtype in V.HALF_DTYPES:
+    if enable_batch_invariant is not False or use_legacy is not False:
+        _check_hopper_build_arguments(enable_batch_invariant, use_legacy)
+    if out is not None and isinstance(q, torch.Tensor) and q.dim() == 4 and q.dtype in _Q_DTYPES:
         # Once a call, replays included (a q this skips fails its own check before any launch; head_dim_v too).
-        V.check_out(out, (*q.shape[:3], D_LATENT), q.dtype, q.device)
+        # An FP8 q (the per-tensor FP8 cache) gives a bf16 out.
+        V.check_out(out, (*q.shape[:3], D_LATENT), _OUT_DTYPE.get(q.dtype, q.dtype), q.device)
     # Asked once a call: the one query of the capture state on the replay path, reused by the first call's checks.
     capturing = _capturing(q)
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta) and tile_scheduler_metadata.have_initialized:
@@ -397,7 +401,7 @@ def flash_mla_with_kvcache(
                 "get_mla_metadata() inside each capture"
             )
     if (num_splits is None and type(tile_scheduler_metadata) is FlashMLASchedMeta
-            and tile_scheduler_metadata._replay is not None):
+            and tile_scheduler_metadata._replay is not None and descale_q is None and descale_k is None):
         extra = (extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
         if (indices is None and attn_sink is None and topk_length is None and kv_format is None
                 and extra_k_cache is None and extra_indices_in_kvcache is None and extra_topk_length is None):
@@ -414,7 +418,8 @@ def flash_mla_with_kvcache(
     if given_plan:  # dense decode's plan as tensors (get_mla_decoding_metadata)
         return _given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                            softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length, kv_format,
-                           (extra_k_cache, extra_indices_in_kvcache, extra_topk_length), backend, schedule, out)
+                           (extra_k_cache, extra_indices_in_kvcache, extra_topk_length), backend, schedule, out,
+                           (descale_q, descale_k))
     if num_splits is not None:
         raise ValueError("num_splits must be None with a FlashMLASchedMeta (the split counts live in it); as a "
                          "tensor it comes with tile_scheduler_metadata from get_mla_decoding_metadata")
@@ -434,7 +439,7 @@ def flash_mla_with_kvcache(
                 raise ValueError(f"{name} is only valid for sparse decode (with indices); got it with indices=None")
         if block_table is None or cache_seqlens is None:
             raise ValueError("block_table and cache_seqlens are required for dense decode (indices=None)")
-        V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache)
+        V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache, descale_q, descale_k)
         kind = select_backend(q.device, backend)
         sched = _resolve_schedule(schedule, DenseDecodeSchedule)
         if kind == "cute":
@@ -455,9 +460,8 @@ def flash_mla_with_kvcache(
                 if first:
                     _fill_reference_metadata(tile_scheduler_metadata, q, k_cache, cache_seqlens, masked, sched,
                                              host_lengths)
-                cache = dequantize_kv_cache(k_cache) if is_fp8_kvcache else k_cache
-                return _into(out, reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, masked,
-                                                         head_dim_v))
+                return _into(out, _reference_dense(q, k_cache, block_table, cache_seqlens, softmax_scale, masked,
+                                                   head_dim_v, is_fp8_kvcache, descale_q, descale_k))
             out, lse = cute.dense_decode(
                 q, k_cache, block_table, cache_seqlens, softmax_scale, masked, tile_scheduler_metadata, first, sched,
                 host_lengths, out,
@@ -467,6 +471,7 @@ def flash_mla_with_kvcache(
             tile_scheduler_metadata, q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcache)
         return out, lse
 
+    _refuse_sparse_descales(descale_q, descale_k)
     if block_table is not None:
         V.check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,))
     if cache_seqlens is not None:
@@ -510,10 +515,11 @@ def flash_mla_with_kvcache(
 
 
 def _given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num_splits, softmax_scale, causal,
-                is_fp8_kvcache, indices, attn_sink, topk_length, kv_format, extra, backend, schedule, out):
+                is_fp8_kvcache, indices, attn_sink, topk_length, kv_format, extra, backend, schedule, out, descales):
     """A call over a plan given as tensors (``get_mla_decoding_metadata``'s): checked as a first call is, but for
     the lengths' values, which the GPU holds (the reference backend checks the plan against them)."""
     if indices is not None:
+        _refuse_sparse_descales(*descales)
         return _sparse_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num_splits,
                                   softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length, kv_format,
                                   extra, backend, schedule, out)
@@ -524,7 +530,7 @@ def _given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num
                       ("extra_topk_length", extra[2])):
         if val is not None:
             raise ValueError(f"{name} is only valid for sparse decode (indices given)")
-    V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache)
+    V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache, *descales)
     kind = select_backend(q.device, backend)
     sched = _resolve_schedule(schedule, DenseDecodeSchedule)
     if kind == "cute":
@@ -540,9 +546,8 @@ def _given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num
     if kind == "reference":
         host_lengths = V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
         _check_given_plan(records, num_splits, host_lengths, parts, scheduler, "this call's cache_seqlens")
-        cache = dequantize_kv_cache(k_cache) if is_fp8_kvcache else k_cache
-        return _into(out, reference.dense_decode(q, cache, block_table, cache_seqlens, softmax_scale, masked,
-                                                 head_dim_v))
+        return _into(out, _reference_dense(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, head_dim_v,
+                                           is_fp8_kvcache, *descales))
     return cute.dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, records, num_splits,
                                    sched, out)
 
@@ -628,19 +633,37 @@ def _refuse_across_capture(capturing: bool) -> None:
     )
 
 
-def _check_hopper_build_arguments(enable_batch_invariant, use_legacy, descale_q, descale_k) -> None:
+def _check_hopper_build_arguments(enable_batch_invariant, use_legacy) -> None:
     """The arguments of FlashMLA's Hopper build beyond the upstream interface: ``use_legacy`` a bool (ignored),
-    the others refused until their kernels exist."""
+    ``enable_batch_invariant`` refused until its kernels exist."""
     if type(use_legacy) is not bool:
         raise TypeError(f"use_legacy must be a bool, got {V.type_name(use_legacy)}")
     if type(enable_batch_invariant) is not bool:
         raise TypeError(f"enable_batch_invariant must be a bool, got {V.type_name(enable_batch_invariant)}")
     if enable_batch_invariant:
         raise NotImplementedError("enable_batch_invariant=True: batch-invariant decode is not built yet; pass False")
+
+
+def _refuse_sparse_descales(descale_q, descale_k) -> None:
     for name, val in (("descale_q", descale_q), ("descale_k", descale_k)):
         if val is not None:
-            raise NotImplementedError(f"{name}: dense decode over the per-tensor FP8 cache (descale_q / descale_k) "
-                                      "is not built yet; pass None")
+            raise ValueError(f"{name} applies to dense decode over the per-tensor FP8 cache; sparse decode's caches "
+                             "carry their scales: pass None")
+
+
+def _reference_dense(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, head_dim_v, is_fp8_kvcache,
+                     descale_q, descale_k):
+    """The reference's dense decode over the operands' true values: the 656-byte cache dequantized; the per-tensor
+    FP8 cache (and an FP8 q) times its descale, in fp32, the output bf16."""
+    if is_fp8_kvcache and descale_k is None:
+        k_cache = dequantize_kv_cache(k_cache)
+    elif is_fp8_kvcache:
+        k_cache = k_cache.float() * descale_k
+    fp8_q = q.dtype == torch.float8_e4m3fn
+    if fp8_q:
+        q = q.float() * descale_q
+    out, lse = reference.dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, head_dim_v)
+    return (out.to(torch.bfloat16) if fp8_q else out), lse
 
 
 def _into(out: Optional[torch.Tensor], result: tuple) -> tuple:
@@ -791,7 +814,8 @@ def flash_mla_sparse_fwd(
 def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens, causal, schedule,
                              host_lengths) -> None:
     """Give reference users the same metadata tensors the kernels would use."""
-    call = resolve_dense(schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=q.shape[1], h_q=q.shape[2],
+    dtype = "bfloat16" if q.dtype == torch.float8_e4m3fn else str(q.dtype).replace("torch.", "")
+    call = resolve_dense(schedule, dtype=dtype, s_q=q.shape[1], h_q=q.shape[2],
                          h_kv=k_cache.shape[2], causal=causal, page=k_cache.shape[1], device=device_facts(q.device),
                          host_lengths=host_lengths)
     records, splits = plan_splits(cache_seqlens, call.parts, 64, *call.scheduler.policy())

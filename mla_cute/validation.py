@@ -126,9 +126,12 @@ def check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device) -> No
         raise ValueError(f"out must be contiguous with a 16-byte aligned base, got strides {list(out.stride())}")
 
 
-def check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache) -> None:
-    """Shapes, dtypes and devices of a dense decode call (no tensor values read)."""
-    check_tensor("q", q, dim=4, dtypes=HALF_DTYPES)
+def check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache, descale_q=None,
+                descale_k=None) -> None:
+    """Shapes, dtypes and devices of a dense decode call (no tensor values read).  With ``is_fp8_kvcache`` the cache
+    is the 656-byte V3.2 one (bf16 q, one KV head, its own scales) or the per-tensor FP8 one: float8_e4m3fn
+    ``[.., 576]`` with ``descale_k``, q bf16 or float8_e4m3fn with ``descale_q``."""
+    check_tensor("q", q, dim=4, dtypes=HALF_DTYPES + (torch.float8_e4m3fn,))
     check_device("q", q)
     b, s_q, h_q, d = q.shape
     if d != D_QK:
@@ -137,21 +140,41 @@ def check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcac
         raise ValueError(f"q must have batch, s_q and h_q >= 1, got shape {list(q.shape)}")
     if head_dim_v != D_LATENT:
         raise ValueError(f"head_dim_v must be {D_LATENT}, got {head_dim_v}")
+    per_tensor = False
     if is_fp8_kvcache:
         check_tensor("k_cache", k_cache, dim=4, dtypes=FP8_CACHE_DTYPES)
-        if q.dtype != torch.bfloat16:
-            raise TypeError(f"q must be torch.bfloat16 with an FP8 cache, got {q.dtype}")
-        if k_cache.shape[3] != FP8_BYTES_PER_TOKEN or k_cache.shape[2] != 1:
-            raise ValueError(
-                f"k_cache must have shape [num_blocks, page_block_size, 1, {FP8_BYTES_PER_TOKEN}] "
-                f"with is_fp8_kvcache=True, got {list(k_cache.shape)}"
-            )
+        per_tensor = k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[3] == D_QK
+        if per_tensor:
+            check_descale("descale_k", descale_k, q.device)
+            if q.dtype == torch.float8_e4m3fn:
+                check_descale("descale_q", descale_q, q.device)
+            elif q.dtype != torch.bfloat16:
+                raise TypeError(f"q must be torch.bfloat16 or torch.float8_e4m3fn with the per-tensor FP8 cache, "
+                                f"got {q.dtype}")
+            elif descale_q is not None:
+                raise ValueError("descale_q applies to a float8_e4m3fn q; q is bfloat16: pass None")
+        else:
+            if q.dtype != torch.bfloat16:
+                raise TypeError(f"q must be torch.bfloat16 with the 656-byte FP8 cache, got {q.dtype}")
+            if k_cache.shape[3] != FP8_BYTES_PER_TOKEN or k_cache.shape[2] != 1:
+                raise ValueError(
+                    f"k_cache must have shape [num_blocks, page_block_size, 1, {FP8_BYTES_PER_TOKEN}] (the V3.2 "
+                    f"cache's bytes) or [num_blocks, page_block_size, h_kv, {D_QK}] float8_e4m3fn (the per-tensor "
+                    f"FP8 cache, with descale_k) with is_fp8_kvcache=True, got {list(k_cache.shape)} {k_cache.dtype}"
+                )
     else:
+        if q.dtype not in HALF_DTYPES:
+            raise TypeError(f"q must be torch.bfloat16 or torch.float16 with a 16-bit cache, got {q.dtype}")
         check_tensor("k_cache", k_cache, dim=4)
         if k_cache.dtype != q.dtype:
             raise TypeError(f"k_cache must have the dtype of q ({q.dtype}), got {k_cache.dtype}")
         if k_cache.shape[3] != D_QK:
             raise ValueError(f"k_cache must have head_dim {D_QK}, got shape {list(k_cache.shape)}")
+    if not per_tensor:
+        for name, val in (("descale_q", descale_q), ("descale_k", descale_k)):
+            if val is not None:
+                raise ValueError(f"{name} applies to dense decode over the per-tensor FP8 cache (a float8_e4m3fn "
+                                 f"k_cache [.., {D_QK}] with is_fp8_kvcache=True): pass None")
     num_blocks, page, h_kv = k_cache.shape[:3]
     if page < 1 or num_blocks < 1:
         raise ValueError(f"k_cache must have num_blocks >= 1 and page_block_size >= 1, got shape {list(k_cache.shape)}")
@@ -163,6 +186,18 @@ def check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcac
     check_tensor("cache_seqlens", cache_seqlens, dim=1, dtypes=(torch.int32,))
     check_shape("cache_seqlens", cache_seqlens, (b,), "[batch_size]")
     check_same_device("q", q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens)
+
+
+def check_descale(name: str, t, device) -> None:
+    """A per-tensor FP8 operand's descale (its true values are the stored ones times it): float32 ``[1]`` on the
+    call's device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 tensor [1] (true value = stored value x {name}), got "
+                        f"{type_name(t)}")
+    if t.dtype != torch.float32 or tuple(t.shape) != (1,):
+        raise ValueError(f"{name} must be a float32 tensor [1], got {t.dtype} {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the same device as q ({device}), got {t.device}")
 
 
 def check_dense_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, page: int,

@@ -51,8 +51,8 @@ def test_is_fp8_kvcache_none_follows_indices():
     (dict(enable_batch_invariant=True), NotImplementedError, "enable_batch_invariant"),
     (dict(enable_batch_invariant=1), TypeError, "enable_batch_invariant must be a bool"),
     (dict(use_legacy=1), TypeError, "use_legacy must be a bool"),
-    (dict(descale_q=torch.ones(1)), NotImplementedError, "descale_q"),
-    (dict(descale_k=torch.ones(1)), NotImplementedError, "descale_k"),
+    (dict(descale_q=torch.ones(1)), ValueError, "descale_q applies to dense decode"),
+    (dict(descale_k=torch.ones(1)), ValueError, "descale_k applies to dense decode"),
 ])
 def test_decode_refuses_what_is_not_built_naming_the_argument(kw, error, match):
     q, cache, indices, sink = _sparse_case()

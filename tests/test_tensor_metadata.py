@@ -80,7 +80,6 @@ def test_out_is_written_in_place():
     (lambda L: get_mla_decoding_metadata(L, 16, 1, 16.0), TypeError, "h_q must be an int"),
     (lambda L: get_mla_decoding_metadata(-L, 16, 1), ValueError, "seqlens_k must be >= 0"),
     (lambda L: get_mla_decoding_metadata(L, 16, 1, None, 1), TypeError, "is_fp8_kvcache"),
-    (lambda L: get_mla_decoding_metadata(L, 16, 1, None, True), NotImplementedError, "is_fp8_kvcache"),
     (lambda L: get_mla_decoding_metadata(L, 16, 1, 16, False, 2048), ValueError, "is_fp8_kvcache must be True"),
     (lambda L: get_mla_decoding_metadata(L, 16, 1, None, True, 2048), ValueError, "h_q must be given"),
     (lambda L: get_mla_decoding_metadata(L, 32, 2, 16, True, 2048), ValueError, "h_k be 1"),
@@ -183,3 +182,17 @@ def test_the_reference_checks_the_lengths_of_a_given_plan_call():
     plan, splits = get_mla_decoding_metadata(long, 16, 1)
     with pytest.raises(ValueError, match="cache_seqlens has a length of 1000"):
         flash_mla_with_kvcache(q, cache, table, long, 512, plan, splits)
+
+
+def test_dense_fp8_plans_as_bf16_on_the_reference_and_is_refused_on_cute(monkeypatch):
+    """The per-tensor FP8 cache's plan is the bf16 one (the reference runs it); the cute backend has no kernel for
+    it yet and says so before planning."""
+    import mla_cute.api as api
+
+    lengths = torch.tensor([5, 700, 0], dtype=torch.int32)
+    fp8 = get_mla_decoding_metadata(lengths, 16, 1, 16, True)
+    bf16 = get_mla_decoding_metadata(lengths, 16, 1, 16, False)
+    assert torch.equal(fp8[0], bf16[0]) and torch.equal(fp8[1], bf16[1])
+    monkeypatch.setattr(api, "select_backend", lambda device, backend=None: "cute")
+    with pytest.raises(NotImplementedError, match="is_fp8_kvcache=True"):
+        get_mla_decoding_metadata(lengths, 16, 1, 16, True)
