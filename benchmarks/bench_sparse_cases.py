@@ -109,23 +109,25 @@ def call(mod, a: dict, meta, **kw):
         a.get("extra_k_cache"), a.get("extra_indices_in_kvcache"), None, a.get("extra_topk_length"), **kw)
 
 
-def eager_fn(mod, a: dict, **kw):
+def eager_fn(mod, a: dict, caller=call, **kw):
+    """The call with its metadata made by a first call and reused (``caller``: how the rows call, ``call``'s
+    arguments)."""
     meta = mod.get_mla_metadata()[0]
-    call(mod, a, meta, **kw)
-    return lambda: call(mod, a, meta, **kw)
+    caller(mod, a, meta, **kw)
+    return lambda: caller(mod, a, meta, **kw)
 
 
-def graph_fn(mod, a: dict, **kw):
+def graph_fn(mod, a: dict, caller=call, **kw):
     """The call captured with its metadata made inside the capture; returns the replay."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        call(mod, a, mod.get_mla_metadata()[0], **kw)
+        caller(mod, a, mod.get_mla_metadata()[0], **kw)
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        call(mod, a, mod.get_mla_metadata()[0], **kw)
+        caller(mod, a, mod.get_mla_metadata()[0], **kw)
     g.replay()
     torch.cuda.synchronize()
     return g.replay
