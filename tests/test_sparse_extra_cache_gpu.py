@@ -178,3 +178,58 @@ def test_extra_cache_graph_replays_lengths_written_in_place(h_q):
         case["topk_length"].copy_(torch.randint(0, 129, (b,), generator=gen))
         case["extra_topk_length"].copy_(torch.randint(0, 1025, (b,), generator=gen))
         _replay_and_check(graph, out, lse, kw, case)
+
+
+# FlashMLA's sparse decode suite's (s_k, topk, page) shapes, for either cache.
+FLASHMLA_SHAPES = [(512, 64, 2), (512, 64, 64), (512, 64, 69), (1024, 576, 2), (1024, 576, 61), (2046, 2048, 2),
+                   (2046, 2048, 64), (2046, 2048, 576)]
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("extra", range(len(FLASHMLA_SHAPES)))
+def test_extra_cache_on_flashmlas_shapes(extra, h_q):
+    """Each of FlashMLA's extra-cache shapes (its suite's pages 2, 61, 64, 69 and 576) beside a main shape of the
+    same list, turn by turn, V4 (d_qk 512, the format its suite's two-cache cases use), s_q 3, with and without
+    either side's lengths (0 and the full topk among them), sinks with +-inf."""
+    s_k, topk, page = FLASHMLA_SHAPES[(extra * 3 + 1) % len(FLASHMLA_SHAPES)]
+    e_s_k, e_topk, e_page = FLASHMLA_SHAPES[extra]
+    b = 74 if extra % 2 else 4
+    gen = torch.Generator().manual_seed(extra * 10 + h_q)
+    sink = torch.randn(h_q, generator=gen)
+    sink[0], sink[1] = float("inf"), float("-inf")
+    main_len = None
+    if extra % 4 in (1, 2):
+        main_len = torch.randint(0, topk + 1, (b,), generator=gen)
+        main_len[0], main_len[-1] = 0, topk
+    extra_len = None
+    if extra % 4 in (2, 3):
+        extra_len = torch.randint(0, e_topk + 1, (b,), generator=gen)
+        extra_len[0], extra_len[-1] = e_topk, 0
+    case = make_sparse_case(b, 3, h_q, s_k, topk, page, attn_sink=sink, kv_format="V4", seed=extra + h_q,
+                            topk_length=main_len.tolist() if main_len is not None else None)
+    run_and_check(with_extra(case, nb=-(-e_s_k // e_page) * 2, page=e_page, topk=e_topk, lengths=extra_len,
+                             seed=extra + 100), expect=dict(extra_cache="V4"))
+
+
+@pytest.mark.parametrize("two_caches", [False, True])
+def test_flashmlas_corner_cases_at_b_321(two_caches):
+    """FlashMLA's corner cases: b 321, s_q 3, every index invalid in some requests, zero lengths, sinks; one cache
+    (V3.2) or two (V4)."""
+    fmt = "V4" if two_caches else "V32"
+    gen = torch.Generator().manual_seed(321)
+    lengths = torch.randint(0, 65, (321,), generator=gen)
+    lengths[::7] = 0
+    case = make_sparse_case(321, 3, 64, 512, 64, 61, invalid_frac=0.5, attn_sink=torch.randn(64, generator=gen),
+                            topk_length=lengths.tolist(), kv_format=fmt, seed=322)
+    case["indices"][::5] = -1  # every index of some requests invalid
+    if two_caches:
+        extra_len = torch.randint(0, 65, (321,), generator=gen)
+        extra_len[1::7] = 0
+        case = with_extra(case, nb=20, page=53, topk=64, lengths=extra_len, invalid_frac=0.5, seed=323)
+        case["extra_indices_in_kvcache"][::5] = -1
+    out, lse = run_and_check(case)
+    nothing = (lengths == 0) if not two_caches else (lengths == 0) & (extra_len == 0)
+    rows = torch.arange(321)[::5]
+    if not two_caches:
+        assert torch.all(out[rows] == 0) and torch.all(torch.isposinf(lse[rows]))
+    assert torch.all(out[nothing.nonzero().flatten().tolist()] == 0)
