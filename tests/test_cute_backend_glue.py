@@ -1224,3 +1224,25 @@ def test_full_lengths_inside_a_capture_are_the_graphs_own():
     inside = cute.full_lengths(5, 77, torch.device("cpu"), True)
     assert inside is not shared and inside.tolist() == [77] * 5
     assert cute.full_lengths(5, 77, torch.device("cpu"), True) is not inside
+
+
+def test_strided_tables_and_lengths_reach_the_dense_kernels_packed(recorder):
+    """A transposed block table and a strided lengths view (the kernels' signatures take a unit column stride and
+    packed lengths) are handed over as copies with the same values, to the scheduler and to the step, on the first
+    call and on a replay of its plan."""
+    from mla_cute.api import get_mla_metadata
+    from mla_cute.backends import cute
+    from mla_cute.schedules import DEFAULT_DENSE_SCHEDULE
+
+    q, k_cache, _, _ = _inputs(h_kv=1)
+    table = torch.tensor([[3, 0, 6], [1, 4, 7]], dtype=torch.int32).t()  # [b, 2], column-major
+    lengths = torch.tensor([5, -1, 0, -1, 200, -1], dtype=torch.int32)[::2]
+    assert table.stride(-1) != 1 and lengths.stride(0) != 1
+    meta = get_mla_metadata()[0]
+    cute.dense_decode(q, k_cache, table, lengths, 0.1, False, meta, True, DEFAULT_DENSE_SCHEDULE)
+    plan = meta._state["dense"]
+    cute.replay_dense(plan, q, k_cache, table, lengths, meta, 0.1)
+    for step in recorder["steps"]:
+        bt, sl = step[2], step[3]
+        assert bt.stride(-1) == 1 and sl.stride(0) == 1
+        assert torch.equal(bt, table) and torch.equal(sl, lengths)

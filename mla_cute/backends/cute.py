@@ -160,6 +160,7 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, 
                  schedule: DenseDecodeSchedule, host_lengths=None, out=None):
     """``host_lengths``: ``cache_seqlens`` on the host when the caller has read them (a new plan then
     leaves out the combine if it splits no request), else None."""
+    block_table, cache_seqlens = kernel_tables(block_table, cache_seqlens)
     plan = _reused_plan(meta, "dense", first, schedule)
     if plan is None:
         plan = meta._state["dense"] = DensePlan(q, k_cache, block_table, causal, schedule, meta, cache_seqlens,
@@ -172,8 +173,20 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, 
     return _launch(plan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, q.device, out)
 
 
+def kernel_tables(block_table, cache_seqlens):
+    """The block table with a unit column stride and the lengths packed, as the dense kernels take them: a view
+    with other strides (a transposed table, ``lengths[::2]``) is copied (inside a CUDA graph the copy is part of
+    the graph, so every replay reads the values then)."""
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    if cache_seqlens.stride(0) != 1:
+        cache_seqlens = cache_seqlens.contiguous()
+    return block_table, cache_seqlens
+
+
 def _launch(plan: DensePlan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, device, out=None):
     """Allocate the outputs (``out``: the caller's) and run the compiled step (split + combine) once."""
+    block_table, cache_seqlens = kernel_tables(block_table, cache_seqlens)
     out, lse = _outputs(plan, device, out)
     plan.step(
         rows, k_cache, block_table, cache_seqlens, *plan.records, meta.num_splits, out, lse,
@@ -262,8 +275,8 @@ def dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, ca
     step, parts = _given_step(("dense", q.dtype, s_q, h_q, h_kv, causal, page, schedule, q.device), make)
     o_accum, lse_accum = _partials(b, parts, h_kv, s_q * (h_q // h_kv), q.device)
     out, lse = _outputs(_GivenShape(q), q.device, out)
-    step(query_rows(q, h_kv), k_cache, block_table, cache_seqlens, records, num_splits, out, lse, o_accum, lse_accum,
-         softmax_scale * _LOG2_E)
+    step(query_rows(q, h_kv), k_cache, *kernel_tables(block_table, cache_seqlens), records, num_splits, out, lse,
+         o_accum, lse_accum, softmax_scale * _LOG2_E)
     return out, lse
 
 
