@@ -15,16 +15,12 @@ Modes, timing and the host time as ``bench_sparse_cases.py`` (the host time on t
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import sys
 
 import torch
 
-import flashmla_side
-import mla_cute
-from bench_sparse_cases import compare, eager_fn, graph_fn, host_us, timed
+from bench_sparse_cases import measure, parse_side_by_side, timing_cells, write_rows
 
 # (b, s_q, s_k, causal): FlashMLA's performance cases, then small batches at long context.
 ROWS = {
@@ -55,30 +51,13 @@ def call(mod, a: dict, meta, **kw):
 def row(fm, b: int, s_q: int, s_k: int, causal: bool, modes, rounds: int) -> dict:
     a = make_inputs(b, s_q, s_k, causal)
     rec = dict(b=b, s_q=s_q, h_q=H_Q, s_k=s_k, causal=causal, tokens=int(a["cache_seqlens"].sum()))
-    fm_e, ours_e = eager_fn(fm, a, call, use_legacy=True), eager_fn(mla_cute, a, call)
-    rec.update(compare(fm_e(), ours_e()))
-    if "eager" in modes:
-        t = timed({"fm": fm_e, "ours": ours_e}, rounds)
-        rec.update(fm_us=t["fm"], ours_us=t["ours"], ratio=t["fm"] / t["ours"])
-    if "graph" in modes:
-        t = timed({"fm": graph_fn(fm, a, call, use_legacy=True), "ours": graph_fn(mla_cute, a, call)}, rounds)
-        rec.update(fm_graph_us=t["fm"], ours_graph_us=t["ours"], graph_ratio=t["fm"] / t["ours"])
-    if "host" in modes and b == 1:
-        rec.update(fm_host_us=host_us(fm_e), ours_host_us=host_us(ours_e))
-    return rec
+    return measure(fm, a, rec, modes, rounds, b == 1, call)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="perf,long")
-    ap.add_argument("--modes", default="eager,graph,host")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    fm = flashmla_side.flash_mla()
-    if fm is None:
-        raise SystemExit("flash_mla does not import: these rows are timed beside FlashMLA only")
-    modes = set(args.modes.split(","))
+    args, fm, modes = parse_side_by_side(ap)
     recs = []
     print("| b | s_q | s_k | causal | eager FlashMLA / ours us (ratio) | graph FlashMLA / ours us (ratio) | host us "
           "FlashMLA / ours | out rel |\n|---|---|---|---|---|---|---|---|", flush=True)
@@ -86,17 +65,10 @@ def main():
         for b, s_q, s_k, causal in ROWS[group]:
             rec = row(fm, b, s_q, s_k, causal, modes, args.rounds)
             recs.append(rec)
-            eager = f"{rec['fm_us']:.1f} / {rec['ours_us']:.1f} ({rec['ratio']:.2f})" if "fm_us" in rec else "-"
-            graph = (f"{rec['fm_graph_us']:.1f} / {rec['ours_graph_us']:.1f} ({rec['graph_ratio']:.2f})"
-                     if "fm_graph_us" in rec else "-")
-            host = f"{rec['fm_host_us']:.1f} / {rec['ours_host_us']:.1f}" if "fm_host_us" in rec else "-"
-            print(f"| {b} | {s_q} | {s_k} | {causal} | {eager} | {graph} | {host} | {rec['out_rel']:.1e} |", flush=True)
+            print(f"| {b} | {s_q} | {s_k} | {causal} | {timing_cells(rec)} |", flush=True)
             torch.cuda.empty_cache()
     if args.out:
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
-                    rows=__doc__.split("The rows are")[1].split("Modes")[0].strip())
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=recs), f, indent=1)
+        write_rows(args.out, recs, rows=__doc__.split("The rows are")[1].split("Modes")[0].strip())
     return 0
 
 

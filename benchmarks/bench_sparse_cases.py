@@ -171,15 +171,20 @@ def row(fm, name: str, b: int, modes, rounds: int) -> dict:
     a = make_inputs(name, b)
     rec = dict(config=name, b=b, s_q=S_Q, h_q=h_q, d_qk=d_qk, topk=topk, page=page,
                extra_topk=extra[1] if extra else 0, extra_page=extra[2] if extra else None, extra_topk_length=extra_len)
-    fm_e, ours_e = eager_fn(fm, a, use_legacy=True), eager_fn(mla_cute, a)
+    return measure(fm, a, rec, modes, rounds, b == 2)
+
+
+def measure(fm, a: dict, rec: dict, modes, rounds: int, host: bool, caller=call) -> dict:
+    """Both calls' outputs compared, then the ``modes`` timed (the host time where ``host``), into ``rec``."""
+    fm_e, ours_e = eager_fn(fm, a, caller, use_legacy=True), eager_fn(mla_cute, a, caller)
     rec.update(compare(fm_e(), ours_e()))
     if "eager" in modes:
         t = timed({"fm": fm_e, "ours": ours_e}, rounds)
         rec.update(fm_us=t["fm"], ours_us=t["ours"], ratio=t["fm"] / t["ours"])
     if "graph" in modes:
-        t = timed({"fm": graph_fn(fm, a, use_legacy=True), "ours": graph_fn(mla_cute, a)}, rounds)
+        t = timed({"fm": graph_fn(fm, a, caller, use_legacy=True), "ours": graph_fn(mla_cute, a, caller)}, rounds)
         rec.update(fm_graph_us=t["fm"], ours_graph_us=t["ours"], graph_ratio=t["fm"] / t["ours"])
-    if "host" in modes and b == 2:
+    if "host" in modes and host:
         rec.update(fm_host_us=host_us(fm_e), ours_host_us=host_us(ours_e))
     return rec
 
@@ -188,14 +193,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--batches", default=None, help="only these batch sizes (default: each configuration's)")
-    ap.add_argument("--modes", default="eager,graph,host")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    fm = flashmla_side.flash_mla()
-    if fm is None:
-        raise SystemExit("flash_mla does not import: these rows are timed beside FlashMLA only")
-    modes = set(args.modes.split(","))
+    args, fm, modes = parse_side_by_side(ap)
     only = {int(x) for x in args.batches.split(",")} if args.batches else None
     recs = []
     print("| config | b | h_q | eager FlashMLA / ours us (ratio) | graph FlashMLA / ours us (ratio) | host us "
@@ -206,18 +204,41 @@ def main():
                 continue
             rec = row(fm, name, b, modes, args.rounds)
             recs.append(rec)
-            eager = f"{rec['fm_us']:.1f} / {rec['ours_us']:.1f} ({rec['ratio']:.2f})" if "fm_us" in rec else "-"
-            graph = (f"{rec['fm_graph_us']:.1f} / {rec['ours_graph_us']:.1f} ({rec['graph_ratio']:.2f})"
-                     if "fm_graph_us" in rec else "-")
-            host = f"{rec['fm_host_us']:.1f} / {rec['ours_host_us']:.1f}" if "fm_host_us" in rec else "-"
-            print(f"| {name} | {b} | {rec['h_q']} | {eager} | {graph} | {host} | {rec['out_rel']:.1e} |", flush=True)
+            print(f"| {name} | {b} | {rec['h_q']} | {timing_cells(rec)} |", flush=True)
             torch.cuda.empty_cache()
     if args.out:
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
-                    method=__doc__.split("Modes:")[1].strip())
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=recs), f, indent=1)
+        write_rows(args.out, recs, method=__doc__.split("Modes:")[1].strip())
     return 0
+
+
+def parse_side_by_side(ap):
+    """``ap``'s arguments with the modes, rounds and output every side-by-side table takes; FlashMLA's module (these
+    rows are timed beside it only) and the modes asked."""
+    ap.add_argument("--modes", default="eager,graph,host")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    fm = flashmla_side.flash_mla()
+    if fm is None:
+        raise SystemExit("flash_mla does not import: these rows are timed beside FlashMLA only")
+    return args, fm, set(args.modes.split(","))
+
+
+def timing_cells(rec: dict) -> str:
+    """A row's eager, graph and host cells and its output error, as the tables print them."""
+    eager = f"{rec['fm_us']:.1f} / {rec['ours_us']:.1f} ({rec['ratio']:.2f})" if "fm_us" in rec else "-"
+    graph = (f"{rec['fm_graph_us']:.1f} / {rec['ours_graph_us']:.1f} ({rec['graph_ratio']:.2f})"
+             if "fm_graph_us" in rec else "-")
+    host = f"{rec['fm_host_us']:.1f} / {rec['ours_host_us']:.1f}" if "fm_host_us" in rec else "-"
+    return f"{eager} | {graph} | {host} | {rec['out_rel']:.1e}"
+
+
+def write_rows(path: str, recs: list, **about) -> None:
+    """The rows and the run's device, versions and ``about`` as JSON."""
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
+                **about)
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=recs), f, indent=1)
 
 
 if __name__ == "__main__":
