@@ -337,8 +337,9 @@ def flash_mla_with_kvcache(
     Dense (``indices is None``):
         q: ``[b, s_q, h_q, 576]`` bf16 or fp16 (512 latent + 64 RoPE).
         k_cache: ``[num_blocks, page_block_size, h_kv, 576]``, dtype of q; or, with
-            ``is_fp8_kvcache=True``, ``[num_blocks, page_block_size, 1, 656]`` FP8 rows
-            (see ``mla_cute.fp8``) and bf16 q.
+            ``is_fp8_kvcache=True`` (the reference backend only), ``[num_blocks, page_block_size, 1, 656]`` FP8
+            rows (see ``mla_cute.fp8``) with bf16 q, or the per-tensor FP8 cache ``[.., h_kv, 576]``
+            float8_e4m3fn with ``descale_k`` and q bf16 or float8_e4m3fn with ``descale_q`` (out bf16).
         block_table: int32 ``[b, max_num_blocks]``: logical block j of request i is
             physical block ``block_table[i, j]``.
         cache_seqlens: int32 ``[b]``, KV length of each request (0 allowed).
@@ -350,16 +351,17 @@ def flash_mla_with_kvcache(
         attn_sink: float32 ``[h_q]``: out *= exp(lse) / (exp(lse) + exp(attn_sink)).
         block_table and cache_seqlens may be None.
     Common:
-        head_dim_v: must be 512.  tile_scheduler_metadata: from :func:`get_mla_metadata`.
-        num_splits: must be None.  softmax_scale: default q's head_dim ``** -0.5``; a finite float > 0
+        head_dim_v: must be 512.  tile_scheduler_metadata: from :func:`get_mla_metadata`; or, with
+            ``num_splits``, the tensors of :func:`get_mla_decoding_metadata` (dense, or sparse over one cache).
+        num_splits: None with a metadata object.  softmax_scale: default q's head_dim ``** -0.5``; a finite float > 0
             (an int, a numpy number or a 0-dim tensor is read with ``float()``; a bool is refused).
         causal: a bool (a numpy bool too; an int such as 1 is refused).
         is_fp8_kvcache: None (the default) means ``indices is not None``, as in FlashMLA's Hopper build.
         enable_batch_invariant: must be False (a request's result independent of its batch is not built yet).
         use_legacy: accepted (a bool) and ignored: FlashMLA's Hopper build selects its SM90 kernels with it;
             mla-cute has only those.
-        descale_q, descale_k: must be None (the per-tensor FP8 cache of FlashMLA's dense FP8 kernel is not
-            built yet).
+        descale_q, descale_k: float32 ``[1]`` for the per-tensor FP8 cache (true value = stored x descale);
+            None elsewhere.
         kv_format: the sparse cache's format (``mla_cute.kv_formats``): "V32" (656 bytes, d_qk 576),
             "V32_NO_ROPE" (528), "V4" (584), "V41" (528), "V41_PAGED" (528: V41 page-blocked), with q's head_dim
             512 for all but V32; None: as the bytes per token name it (528: V41).  Both backends read every one.
