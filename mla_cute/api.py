@@ -137,21 +137,22 @@ def get_mla_decoding_metadata(seqlens_k: torch.Tensor, num_q_tokens_per_head_k: 
                               h_q: Optional[int] = None, is_fp8_kvcache: bool = False, topk: Optional[int] = None,
                               use_legacy: bool = False, *, schedule: Optional[DenseDecodeSchedule] = None,
                               backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Dense decode's split plan as tensors, made before the call (FlashMLA's Hopper build and sgl-kernel:
+    """The split plan as tensors, made before the call (FlashMLA's Hopper build and sgl-kernel:
     ``(tile_scheduler_metadata, num_splits)``, passed to ``flash_mla_with_kvcache`` in those two arguments).
 
     seqlens_k: int32 ``[b]``, the requests' KV lengths (the call's ``cache_seqlens``).
     num_q_tokens_per_head_k: the query rows a KV head serves, ``s_q * h_q // h_kv``.  h_k: the KV heads.
-    h_q: accepted (None or a multiple of ``h_k``); the plan does not depend on it.
-    is_fp8_kvcache: must be False (dense decode over the FP8 cache has no kernel yet).  topk: must be None
-    (sparse decode plans on its first call, with a ``FlashMLASchedMeta``).  use_legacy: accepted and ignored.
+    h_q: dense: None or a multiple of ``h_k`` (the plan does not depend on it); sparse: required.
+    is_fp8_kvcache: dense: the per-tensor FP8 cache (the reference backend only); sparse: must be True.
+    topk: None for dense decode; sparse decode over one cache: the indices a query (the plan of b requests of topk
+    tokens each).  use_legacy: accepted and ignored.
     schedule: as the call takes it (keyword; the call must use the same).  backend: as the call takes it.
 
-    Returns ``tile_scheduler_metadata`` int32 ``[parts, 8]`` (``parts`` depends on the device, the rows and
-    ``h_k`` only, not on the batch: an engine keeps one buffer for all its CUDA graphs and refreshes it in place)
-    and ``num_splits`` int32 ``[b + 1]``, on ``seqlens_k``'s device; planned on the GPU by the cute backend, with
-    no host synchronisation.  The call runs the plan they hold: they must be made over the call's own
-    ``cache_seqlens`` and batch (the cute backend does not read them to check: see docs/api.md)."""
+    Returns ``tile_scheduler_metadata`` int32 ``[parts, 8]`` (``parts`` depends on the device and the shapes,
+    not on the lengths: an engine keeps one buffer for all its CUDA graphs and refreshes it in place) and
+    ``num_splits`` int32 ``[b + 1]``, on ``seqlens_k``'s device; planned on the GPU by the cute backend, with
+    no host synchronisation.  The call runs the plan they hold: they must be made for the call's own lengths and
+    batch (the cute backend does not read them to check: see docs/api.md)."""
     V.check_tensor("seqlens_k", seqlens_k, dim=1, dtypes=(torch.int32,))
     V.check_device("seqlens_k", seqlens_k)
     if seqlens_k.shape[0] < 1 or not seqlens_k.is_contiguous():
@@ -425,9 +426,7 @@ def flash_mla_with_kvcache(
     if num_splits is not None:
         raise ValueError("num_splits must be None with a FlashMLASchedMeta (the split counts live in it); as a "
                          "tensor it comes with tile_scheduler_metadata from get_mla_decoding_metadata")
-    extras = (("extra_k_cache", extra_k_cache), ("extra_indices_in_kvcache", extra_indices_in_kvcache),
-              ("extra_topk_length", extra_topk_length))
-    given = any(val is not None for _, val in extras)
+    given = extra_k_cache is not None or extra_indices_in_kvcache is not None or extra_topk_length is not None
     if softmax_scale is not None:
         softmax_scale = V.check_scale("softmax_scale", softmax_scale)
     elif indices is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
@@ -436,11 +435,8 @@ def flash_mla_with_kvcache(
         softmax_scale = _DEFAULT_SCALE
 
     if indices is None:
-        for name, val in (("attn_sink", attn_sink), ("topk_length", topk_length), ("kv_format", kv_format)) + extras:
-            if val is not None:
-                raise ValueError(f"{name} is only valid for sparse decode (with indices); got it with indices=None")
-        if block_table is None or cache_seqlens is None:
-            raise ValueError("block_table and cache_seqlens are required for dense decode (indices=None)")
+        _check_dense_arguments(block_table, cache_seqlens, attn_sink, topk_length, kv_format,
+                               (extra_k_cache, extra_indices_in_kvcache, extra_topk_length))
         V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache, descale_q, descale_k)
         kind = select_backend(q.device, backend)
         sched = _resolve_schedule(schedule, DenseDecodeSchedule)
@@ -474,10 +470,7 @@ def flash_mla_with_kvcache(
         return out, lse
 
     _refuse_sparse_descales(descale_q, descale_k)
-    if block_table is not None:
-        V.check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,))
-    if cache_seqlens is not None:
-        V.check_tensor("cache_seqlens", cache_seqlens, dim=1, dtypes=(torch.int32,))
+    _check_ignored_tables(block_table, cache_seqlens)
     fmt, extra_fmt = V.check_sparse_decode(
         q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal, kv_format,
         (extra_k_cache, extra_indices_in_kvcache, extra_topk_length) if given else None)
@@ -525,13 +518,7 @@ def _given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num
         return _sparse_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num_splits,
                                   softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length, kv_format,
                                   extra, backend, schedule, out)
-    if block_table is None or cache_seqlens is None:
-        raise ValueError("block_table and cache_seqlens are required for dense decode (indices=None)")
-    for name, val in (("attn_sink", attn_sink), ("topk_length", topk_length), ("kv_format", kv_format),
-                      ("extra_k_cache", extra[0]), ("extra_indices_in_kvcache", extra[1]),
-                      ("extra_topk_length", extra[2])):
-        if val is not None:
-            raise ValueError(f"{name} is only valid for sparse decode (indices given)")
+    _check_dense_arguments(block_table, cache_seqlens, attn_sink, topk_length, kv_format, extra)
     V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache, *descales)
     kind = select_backend(q.device, backend)
     sched = _resolve_schedule(schedule, DenseDecodeSchedule)
@@ -560,10 +547,7 @@ def _sparse_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, recor
     if any(val is not None for val in extra):
         raise TypeError("tile_scheduler_metadata: a call over two caches plans on its first call and takes a "
                         "FlashMLASchedMeta from get_mla_metadata(), not tensors")
-    if block_table is not None:
-        V.check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,))
-    if cache_seqlens is not None:
-        V.check_tensor("cache_seqlens", cache_seqlens, dim=1, dtypes=(torch.int32,))
+    _check_ignored_tables(block_table, cache_seqlens)
     fmt, _ = V.check_sparse_decode(q, k_cache, indices, topk_length, attn_sink, head_dim_v, is_fp8_kvcache, causal,
                                    kv_format, None)
     kind = select_backend(q.device, backend)
@@ -583,6 +567,25 @@ def _sparse_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, recor
                                                       head_dim_v, fmt, None))
     return cute.sparse_decode_given(q, k_cache, indices, topk_length, attn_sink, softmax_scale, records, num_splits,
                                     sched, fmt, out)
+
+
+def _check_dense_arguments(block_table, cache_seqlens, attn_sink, topk_length, kv_format, extra) -> None:
+    """A dense call's tables are given and no sparse-only argument is (``extra``: the three extra-cache ones)."""
+    named = (("attn_sink", attn_sink), ("topk_length", topk_length), ("kv_format", kv_format),
+             ("extra_k_cache", extra[0]), ("extra_indices_in_kvcache", extra[1]), ("extra_topk_length", extra[2]))
+    for name, val in named:
+        if val is not None:
+            raise ValueError(f"{name} is only valid for sparse decode (with indices); got it with indices=None")
+    if block_table is None or cache_seqlens is None:
+        raise ValueError("block_table and cache_seqlens are required for dense decode (indices=None)")
+
+
+def _check_ignored_tables(block_table, cache_seqlens) -> None:
+    """Sparse decode ignores the block table and lengths, but takes them only as FlashMLA does (or None)."""
+    if block_table is not None:
+        V.check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,))
+    if cache_seqlens is not None:
+        V.check_tensor("cache_seqlens", cache_seqlens, dim=1, dtypes=(torch.int32,))
 
 
 def _check_plan_tensors(q, records, num_splits, parts: int, hint: str, what: str) -> None:

@@ -72,6 +72,16 @@ def test_dense_first_call_reuse_and_replay_in_inference_mode(s_q, h_q, causal):
         assert meta._replay is not None
 
 
+def _next_dense_step(case, max_len: int, empty: int, gen) -> None:
+    """A new decode step written into the case's tensors in place: new lengths (request ``empty`` at 0), q and the
+    cache rows they cover."""
+    lens = torch.randint(0, max_len + 1, (case["q"].shape[0],), generator=gen)
+    lens[empty] = 0
+    case["cache_seqlens"].copy_(lens.to(torch.int32))
+    case["q"].copy_((torch.randn(case["q"].shape, generator=gen) / 10).clamp(-1, 1).to(case["q"].dtype))
+    refill_cache(case["k_cache"], case["block_table"], lens, gen)
+
+
 def test_dense_cuda_graph_captured_in_inference_mode():
     import mla_cute
 
@@ -86,11 +96,7 @@ def test_dense_cuda_graph_captured_in_inference_mode():
             meta = mla_cute.get_mla_metadata()[0]
             out, lse = _dense(case, meta, True)
         for trial in range(3):
-            lens = torch.randint(0, max_len + 1, (b,), generator=gen)
-            lens[trial] = 0
-            case["cache_seqlens"].copy_(lens.to(torch.int32))
-            case["q"].copy_((torch.randn(case["q"].shape, generator=gen) / 10).clamp(-1, 1).to(case["q"].dtype))
-            refill_cache(case["k_cache"], case["block_table"], lens, gen)
+            _next_dense_step(case, max_len, trial, gen)
             out.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
@@ -121,11 +127,7 @@ def test_dense_tensor_plan_in_graph_buffers_as_sglang_refreshes_them(s_q, h_q):
             with torch.cuda.graph(graph):
                 out, lse = mla_cute.flash_mla_with_kvcache(*args, causal=True)
             for trial in range(3):
-                lens = torch.randint(0, max_len + 1, (bs,), generator=gen)
-                lens[trial] = 0
-                case["cache_seqlens"].copy_(lens.to(torch.int32))
-                case["q"].copy_((torch.randn(case["q"].shape, generator=gen) / 10).clamp(-1, 1).to(case["q"].dtype))
-                refill_cache(case["k_cache"], case["block_table"], lens, gen)
+                _next_dense_step(case, max_len, trial, gen)
                 plan, splits = mla_cute.get_mla_decoding_metadata(case["cache_seqlens"], rows, 1, h_q)
                 plan_buf.copy_(plan)
                 splits_buf[: bs + 1].copy_(splits)

@@ -20,9 +20,9 @@ from ..validation import sink_presence_error
 from ..schedules.configs import WriteCacheConfig
 from ..schedules.dense import DenseDecodeSchedule
 from ..schedules.planner import whole_token_plan
-from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, dense_tensor_plan, resolve_dense, resolve_sparse, resolve_sparse_prefill,
-                                resolve_sparse_prefill_fp8, sparse_precompile_steps, sparse_prefill_precompile_configs,
-                                sparse_tensor_plan)
+from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, dense_tensor_plan, resolve_dense, resolve_sparse,
+                                resolve_sparse_prefill, resolve_sparse_prefill_fp8, sparse_precompile_steps,
+                                sparse_prefill_precompile_configs, sparse_tensor_plan)
 from ..schedules.sparse import SparseDecodeSchedule
 
 _LOG2_E = math.log2(math.e)
@@ -114,11 +114,16 @@ def _reused_plan(meta, kind: str, first: bool, schedule):
 
 
 def _outputs(plan, device, out=None):
+    """A plan's call's outputs (``decode_outputs``)."""
+    return decode_outputs(plan.b, plan.s_q, plan.h_q, plan.dtype, device, out)
+
+
+def decode_outputs(b: int, s_q: int, h_q: int, dtype, device, out=None):
     """FlashMLA's out ``[b, s_q, h_q, 512]`` (q dtype; the caller's ``out`` when given, checked by
     ``validation.check_out``) and lse ``[b, h_q, s_q]``: the kernels write them in place."""
     if out is None:
-        out = torch.empty(plan.b, plan.s_q, plan.h_q, 512, dtype=plan.dtype, device=device)
-    lse = torch.empty(plan.b, plan.h_q, plan.s_q, dtype=torch.float32, device=device)
+        out = torch.empty(b, s_q, h_q, 512, dtype=dtype, device=device)
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=device)
     return out, lse
 
 
@@ -185,8 +190,8 @@ def kernel_tables(block_table, cache_seqlens):
 
 
 def _launch(plan: DensePlan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, device, out=None):
-    """Allocate the outputs (``out``: the caller's) and run the compiled step (split + combine) once."""
-    block_table, cache_seqlens = kernel_tables(block_table, cache_seqlens)
+    """Allocate the outputs (``out``: the caller's) and run the compiled step (split + combine) once (the tables as
+    ``kernel_tables`` gives them)."""
     out, lse = _outputs(plan, device, out)
     plan.step(
         rows, k_cache, block_table, cache_seqlens, *plan.records, meta.num_splits, out, lse,
@@ -217,7 +222,8 @@ def replay_dense(plan: DensePlan, q, k_cache, block_table, cache_seqlens, meta, 
     """The launch of ``dense_decode`` for a call ``replay_plan`` vouched for: equal facts make the
     rows the same view of q, or the same reordered copy."""
     rows = q.view(plan.q_rows) if plan.q_rows is not None else query_rows(q, plan.h_kv)
-    return _launch(plan, rows, k_cache, block_table, cache_seqlens, meta, softmax_scale, q.device, out)
+    return _launch(plan, rows, k_cache, *kernel_tables(block_table, cache_seqlens), meta, softmax_scale, q.device,
+                   out)
 
 
 # ---------------------------------------------------------------- dense decode over a plan given as tensors
@@ -246,16 +252,6 @@ def _given_step(key, make):
     return entry
 
 
-class _GivenShape:
-    """What ``_outputs`` reads of a plan: the call's shape and dtype."""
-
-    __slots__ = ("b", "s_q", "h_q", "dtype")
-
-    def __init__(self, q):
-        self.b, self.s_q, self.h_q, _ = q.shape
-        self.dtype = q.dtype
-
-
 def dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, records, num_splits,
                        schedule: DenseDecodeSchedule, out=None):
     """Dense decode over the plan in ``records`` / ``num_splits`` (made by ``plan_dense_tensors``; their shapes
@@ -274,7 +270,7 @@ def dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, ca
 
     step, parts = _given_step(("dense", q.dtype, s_q, h_q, h_kv, causal, page, schedule, q.device), make)
     o_accum, lse_accum = _partials(b, parts, h_kv, s_q * (h_q // h_kv), q.device)
-    out, lse = _outputs(_GivenShape(q), q.device, out)
+    out, lse = decode_outputs(b, s_q, h_q, q.dtype, q.device, out)
     step(query_rows(q, h_kv), k_cache, *kernel_tables(block_table, cache_seqlens), records, num_splits, out, lse,
          o_accum, lse_accum, softmax_scale * _LOG2_E)
     return out, lse
@@ -475,18 +471,26 @@ def launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink,
         two = (cache_words(extra_cache, extra_format),
                extra_indices if extra_indices.stride(-1) == 1 else extra_indices.contiguous(),
                extra_topk_length.contiguous())
-    plan.step(
+    _run_sparse_step(plan.step, plan.kv_format, q, k_cache, indices, topk_length, two, meta.tile_scheduler_metadata,
+                     meta.num_splits, out, lse, plan.o_accum, plan.lse_accum, attn_sink, softmax_scale)
+    return out, lse
+
+
+def _run_sparse_step(step, kv_format: str, q, k_cache, indices, topk_length, two, records, num_splits, out, lse,
+                     o_accum, lse_accum, attn_sink, softmax_scale) -> None:
+    """One run of a compiled sparse decode step, its tensors as its signature takes them (``two``: the extra
+    cache's words, indices and lengths, or three None)."""
+    step(
         q if _aligned(q) else _packed_copy(q),
-        cache_words(k_cache, plan.kv_format),
+        cache_words(k_cache, kv_format),
         indices if indices.stride(-1) == 1 else indices.contiguous(),
         topk_length.contiguous() if topk_length is not None else None,
         *two,
-        meta.tile_scheduler_metadata, meta.num_splits, out, lse, plan.o_accum, plan.lse_accum,
+        records, num_splits, out, lse, o_accum, lse_accum,
         attn_sink.contiguous() if attn_sink is not None else None,
         None,  # max_logits: decode has none
         softmax_scale * _LOG2_E,
     )
-    return out, lse
 
 
 # ---------------------------------------------------------------- sparse decode over a plan given as tensors
@@ -517,18 +521,9 @@ def sparse_decode_given(q, k_cache, indices, topk_length, attn_sink, softmax_sca
     step, parts, partials = _given_step(
         ("sparse", q.dtype, b, s_q, h_q, topk, has_topk_length, has_sink, kv_format, schedule, q.device), make)
     o_accum, lse_accum = _partials(b, parts, 1, s_q * h_q, q.device, partials)
-    out, lse = _outputs(_GivenShape(q), q.device, out)
-    step(
-        q if _aligned(q) else _packed_copy(q),
-        cache_words(k_cache, kv_format),
-        indices if indices.stride(-1) == 1 else indices.contiguous(),
-        topk_length.contiguous() if has_topk_length else None,
-        None, None, None,
-        records, num_splits, out, lse, o_accum, lse_accum,
-        attn_sink.contiguous() if has_sink else None,
-        None,  # max_logits: decode has none
-        softmax_scale * _LOG2_E,
-    )
+    out, lse = decode_outputs(b, s_q, h_q, q.dtype, q.device, out)
+    _run_sparse_step(step, kv_format, q, k_cache, indices, topk_length, (None, None, None), records, num_splits, out,
+                     lse, o_accum, lse_accum, attn_sink, softmax_scale)
     return out, lse
 
 
