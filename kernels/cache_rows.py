@@ -45,6 +45,17 @@ ROPE_SLOT = LATENT_PIECES + 1
 SLOTS = LATENT_PIECES + 2
 
 
+@cute.jit
+def load_piece(src, dst):
+    """16 bytes of a cache row (4 int32 words) into registers: one vector load that asks L2 to fetch the 256-byte
+    block around it.  A token's row is read by 8 lanes in 128-byte segments, so the prefetch brings its next
+    segment into L2 while the first is still in flight (the gather is latency-bound: each tile's rows are random
+    cache lines)."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), cutlass.Int32, num_bits_per_copy=128,
+                               l2_prefetch_size=cute.nvgpu.L2PrefetchSize.SIZE_256B)
+    cute.copy(atom, src, dst)
+
+
 class CacheRows:
     """One format's token bytes (the class attributes) and its producer steps.
 
@@ -79,13 +90,13 @@ class CacheRows:
         """Start this thread's loads of token ``off`` of block ``blk_id`` into ``raw[None, :, k]``."""
         row = src.mCache[blk_id, off, None]
         for m in cutlass.range_constexpr(LATENT_PIECES):
-            cute.autovec_copy(cute.local_tile(row, (WORDS,), (m * 8 + src.lane,)), raw[None, m, k])
+            load_piece(cute.local_tile(row, (WORDS,), (m * 8 + src.lane,)), raw[None, m, k])
         self.load_scales(raw, k, src, blk_id, off, row)
 
     @cute.jit
     def load_scales(self, raw, k, src, blk_id, off, row):
         """The token's scales into the scale slot: the 16 bytes after its 512 latent bytes."""
-        cute.autovec_copy(cute.local_tile(row, (WORDS,), (512 // PIECE,)), raw[None, SCALE_SLOT, k])
+        load_piece(cute.local_tile(row, (WORDS,), (512 // PIECE,)), raw[None, SCALE_SLOT, k])
 
     def piece_lanes(self, m: int) -> int:
         """The lanes (from 0) whose latent piece ``m`` is e4m3: all 8 (V4's piece 3: 4, the rest is RoPE)."""
@@ -116,7 +127,7 @@ class V32Rows(CacheRows):
     def load(self, raw, k, src, blk_id, off):
         CacheRows.load(self, raw, k, src, blk_id, off)
         row = src.mCache[blk_id, off, None]
-        cute.autovec_copy(cute.local_tile(row, (WORDS,), ((512 + 16) // PIECE + src.lane,)), raw[None, ROPE_SLOT, k])
+        load_piece(cute.local_tile(row, (WORDS,), ((512 + 16) // PIECE + src.lane,)), raw[None, ROPE_SLOT, k])
 
 
 class NoRopeRows(CacheRows):
@@ -156,7 +167,7 @@ class V41PagedRows(PageBlocked, V41Rows):
 
     @cute.jit
     def load_scales(self, raw, k, src, blk_id, off, row):
-        cute.autovec_copy(src.scales[blk_id, off, None], raw[None, SCALE_SLOT, k])
+        load_piece(src.scales[blk_id, off, None], raw[None, SCALE_SLOT, k])
 
 
 class V4Rows(PageBlocked, CacheRows):
@@ -173,10 +184,10 @@ class V4Rows(PageBlocked, CacheRows):
         row = src.mCache[blk_id, off, None]
         lane = src.lane
         for m in cutlass.range_constexpr(LATENT_PIECES - 1):
-            cute.autovec_copy(cute.local_tile(row, (WORDS,), (m * 8 + lane,)), raw[None, m, k])
+            load_piece(cute.local_tile(row, (WORDS,), (m * 8 + lane,)), raw[None, m, k])
         if lane < 4:
-            cute.autovec_copy(cute.local_tile(row, (WORDS,), (24 + lane,)), raw[None, 3, k])
-        cute.autovec_copy(cute.local_tile(row, (WORDS,), (448 // PIECE + lane,)), raw[None, ROPE_SLOT, k])
+            load_piece(cute.local_tile(row, (WORDS,), (24 + lane,)), raw[None, 3, k])
+        load_piece(cute.local_tile(row, (WORDS,), (448 // PIECE + lane,)), raw[None, ROPE_SLOT, k])
         scales = src.scales[blk_id, off, None]
         cute.autovec_copy(scales, cute.local_tile(raw[None, SCALE_SLOT, k], (2,), (0,)))
 
@@ -197,8 +208,8 @@ class Fp4Rows(CacheRows):
         row = src.mCache[blk_id, off, None]
         for m in cutlass.range_constexpr(LATENT_PIECES):
             cute.autovec_copy(cute.local_tile(row, (2,), (m * 8 + src.lane,)), cute.local_tile(raw[None, m, k], (2,), (0,)))
-        cute.autovec_copy(cute.local_tile(row, (WORDS,), (256 // PIECE,)), raw[None, SCALE_SLOT, k])
-        cute.autovec_copy(cute.local_tile(row, (WORDS,), (256 // PIECE + 1,)), raw[None, ROPE_SLOT, k])
+        load_piece(cute.local_tile(row, (WORDS,), (256 // PIECE,)), raw[None, SCALE_SLOT, k])
+        load_piece(cute.local_tile(row, (WORDS,), (256 // PIECE + 1,)), raw[None, ROPE_SLOT, k])
 
     @cute.jit
     def scale(self, raw, k, m, lane):

@@ -339,8 +339,8 @@ def test_sparse_decode_gathers_with_vector_loads_without_spills(s_q, h_q, sink, 
     ptx = compile_sparse(step, options=OPTIONS).__ptx__
     assert ptx.count("wgmma.mma_async") >= 40
     assert "cp.async.bulk.tensor" in ptx  # Q
-    # 6 x 16-byte loads per gathered row, 4 rows per thread per tile.
-    assert ptx.count("ld.global.v4.b32") >= 24
+    # 6 x 16-byte loads per gathered row, 4 rows per thread per tile, each asking L2 for the 256 bytes around it.
+    assert ptx.count("ld.global.L2::256B.v4.b32") >= 24
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
     # Final rows leave through shared memory, copied out by the follower's threads in 16-byte pieces, which
@@ -369,7 +369,7 @@ def test_sparse_decode_reads_each_cache_format_without_spills(fmt, s_q, h_q, cro
     assert step.split.kv_format == fmt and step.split.d_qk == 512
     ptx = compile_sparse(step, options=OPTIONS).__ptx__
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" not in ptx  # no bf16 RoPE k-block
-    assert ptx.count("ld.global.v4.b32") >= 10 and "cvt.rn.f16x2.e4m3x2" in ptx
+    assert ptx.count("ld.global.L2::256B.v4.b32") >= 10 and "cvt.rn.f16x2.e4m3x2" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
     err = capfd.readouterr().err
     _assert_wgmma_not_serialized(err)
@@ -391,7 +391,7 @@ def test_sparse_decode_over_two_caches_compiles(fmt, extra, h_q, crossover, halv
     step = _sparse_step(2, h_q, True, kv_format=fmt, extra_cache=extra, crossover=crossover, producer_halves=halves)
     assert step.split.extra_cache == extra and step.split.has_topk_length
     ptx = compile_sparse(step, options=OPTIONS).__ptx__
-    assert ptx.count("ld.global.v4.b32") >= 12 and "cvt.rn.f16x2.e4m3x2" in ptx
+    assert ptx.count("ld.global.L2::256B.v4.b32") >= 12 and "cvt.rn.f16x2.e4m3x2" in ptx
     assert ("prmt.b32" in ptx and "ld.global.v2.b32" in ptx) == (extra == "V41_FP4")
     err = capfd.readouterr().err
     _assert_wgmma_not_serialized(err)
