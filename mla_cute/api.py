@@ -98,6 +98,8 @@ class FlashMLASchedMeta:
         extra_topk: Optional[int] = None
         kv_format: Optional[str] = None  # sparse: the cache's format (one metadata object serves one)
         extra_kv_format: Optional[str] = None  # sparse: the extra cache's format
+        head_dim: Optional[int] = None  # dense: q's and the cache's head_dim (576 or 512; a kernel each)
+        dtype: Optional[torch.dtype] = None  # dense: q's dtype (a kernel each)
 
     have_initialized: bool = False
     config: Optional[Config] = None
@@ -336,8 +338,9 @@ def flash_mla_with_kvcache(
     """MLA decode attention over a paged cache (dense, or sparse over the FP8 cache).
 
     Dense (``indices is None``):
-        q: ``[b, s_q, h_q, 576]`` bf16 or fp16 (512 latent + 64 RoPE).
-        k_cache: ``[num_blocks, page_block_size, h_kv, 576]``, dtype of q; or, with
+        q: ``[b, s_q, h_q, 576]`` bf16 or fp16 (512 latent + 64 RoPE), or, dense with a 16-bit cache,
+            ``[b, s_q, h_q, 512]`` (no RoPE part: V is the whole row).
+        k_cache: ``[num_blocks, page_block_size, h_kv, 576]`` (or 512, q's head_dim), dtype of q; or, with
             ``is_fp8_kvcache=True`` (the reference backend only), ``[num_blocks, page_block_size, 1, 656]`` FP8
             rows (see ``mla_cute.fp8``) with bf16 q, or the per-tensor FP8 cache ``[.., h_kv, 576]``
             float8_e4m3fn with ``descale_k`` and q bf16 or float8_e4m3fn with ``descale_q`` (out bf16).
@@ -429,7 +432,7 @@ def flash_mla_with_kvcache(
     given = extra_k_cache is not None or extra_indices_in_kvcache is not None or extra_topk_length is not None
     if softmax_scale is not None:
         softmax_scale = V.check_scale("softmax_scale", softmax_scale)
-    elif indices is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
+    elif isinstance(q, torch.Tensor) and q.dim() == 4:
         softmax_scale = q.shape[-1] ** -0.5  # FlashMLA's default: q's head_dim
     else:
         softmax_scale = _DEFAULT_SCALE
@@ -444,7 +447,7 @@ def flash_mla_with_kvcache(
             cute.check_supported(k_cache, is_fp8_kvcache)
         config = FlashMLASchedMeta.Config(
             q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
-            causal, is_fp8_kvcache, None,
+            causal, is_fp8_kvcache, None, head_dim=q.shape[3], dtype=q.dtype,
         )
         first = _check_metadata(tile_scheduler_metadata, config, cache_seqlens)
         host_lengths = None  # read by the value checks; not inside a CUDA graph capture
@@ -688,11 +691,13 @@ def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, soft
     the scale, or the backend (argument or environment).
     """
     plan = meta._replay
-    scale = _replay_scale(softmax_scale, _DEFAULT_SCALE)
+    if not isinstance(plan, cute.DensePlan):
+        return None
+    # Equal facts (checked below, before any launch) make q's head_dim the plan's.
+    scale = _replay_scale(softmax_scale, plan.d_qk ** -0.5)
     # The lengths tensor the metadata was checked against, unchanged since: same object, storage,
     # shape and version (in-place writes bump it; assigning ``.data`` moves the storage).
-    if (not isinstance(plan, cute.DensePlan) or scale is None or cache_seqlens is not meta._lengths_ref
-            or type(causal) is not bool):
+    if scale is None or cache_seqlens is not meta._lengths_ref or type(causal) is not bool:
         return None
     try:
         facts = cute.dense_call_facts(q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcache)
@@ -822,7 +827,7 @@ def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens,
     dtype = "bfloat16" if q.dtype == torch.float8_e4m3fn else str(q.dtype).replace("torch.", "")
     call = resolve_dense(schedule, dtype=dtype, s_q=q.shape[1], h_q=q.shape[2],
                          h_kv=k_cache.shape[2], causal=causal, page=k_cache.shape[1], device=device_facts(q.device),
-                         host_lengths=host_lengths)
+                         host_lengths=host_lengths, d_qk=q.shape[3])
     records, splits = plan_splits(cache_seqlens, call.parts, 64, *call.scheduler.policy())
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
@@ -845,7 +850,8 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     """Compile (or load from the disk cache) the decode kernels for each configuration.
 
     Dense decode: a dict with ``dtype`` (torch.bfloat16 / torch.float16), ``s_q``, ``h_q``,
-    ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64) and ``schedule``.
+    ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64), ``d_qk`` (576 or 512; 576) and
+    ``schedule``.
     Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
     ``attn_sink`` and ``topk_length`` (False: whether calls pass one), ``kv_format`` ("V32"), ``extra_cache``
     (False: whether calls pass ``extra_k_cache``; True: one of ``kv_format``, or its format's name, e.g.
@@ -886,7 +892,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         sparse = bool(cfg.pop("sparse", False))
         required = {"s_q", "h_q"} if sparse else {"dtype", "s_q", "h_q", "h_kv"}
         allowed = required | ({"attn_sink", "topk_length", "kv_format", "extra_cache", "schedule"} if sparse
-                              else {"causal", "page_block_size", "schedule"})
+                              else {"causal", "page_block_size", "d_qk", "schedule"})
         missing = required - cfg.keys()
         if missing:
             raise ValueError(f"precompile config {i} lacks {sorted(missing)}: {cfg}")
@@ -922,8 +928,11 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         page = cfg.get("page_block_size", 64)
         if page % 64 != 0:
             raise NotImplementedError(f"precompile config {i}: page_block_size {page} is not a multiple of 64")
+        d_qk = cfg.get("d_qk", D_QK)
+        if d_qk not in (D_QK, D_LATENT) or isinstance(d_qk, bool):
+            raise ValueError(f"precompile config {i}: d_qk must be {D_QK} or {D_LATENT}, got {d_qk!r}")
         cute.precompile_dense(cfg["dtype"], cfg["s_q"], cfg["h_q"], cfg["h_kv"], bool(cfg.get("causal", False)), page,
-                              sched)
+                              sched, d_qk)
         count += 1
     return count
 

@@ -128,14 +128,18 @@ def check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device) -> No
 
 def check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache, descale_q=None,
                 descale_k=None) -> None:
-    """Shapes, dtypes and devices of a dense decode call (no tensor values read).  With ``is_fp8_kvcache`` the cache
+    """Shapes, dtypes and devices of a dense decode call (no tensor values read).  A 16-bit q and cache share one
+    head_dim: 576 (512 latent + 64 RoPE) or 512 (no RoPE part); V is a row's first 512 features.  With ``is_fp8_kvcache`` the cache
     is the 656-byte V3.2 one (bf16 q, one KV head, its own scales) or the per-tensor FP8 one: float8_e4m3fn
     ``[.., 576]`` with ``descale_k``, q bf16 or float8_e4m3fn with ``descale_q``."""
     check_tensor("q", q, dim=4, dtypes=HALF_DTYPES + (torch.float8_e4m3fn,))
     check_device("q", q)
     b, s_q, h_q, d = q.shape
-    if d != D_QK:
-        raise ValueError(f"q must have head_dim {D_QK} (512 latent + 64 RoPE), got {d}")
+    if d not in (D_QK, D_LATENT):
+        raise ValueError(f"q must have head_dim {D_QK} (512 latent + 64 RoPE) or {D_LATENT} (no RoPE part), got {d}")
+    if d != D_QK and is_fp8_kvcache:
+        raise ValueError(f"q must have head_dim {D_QK} with is_fp8_kvcache=True (the FP8 caches hold 576 features a "
+                         f"token), got {d}")
     if b < 1 or s_q < 1 or h_q < 1:
         raise ValueError(f"q must have batch, s_q and h_q >= 1, got shape {list(q.shape)}")
     if head_dim_v != D_LATENT:
@@ -168,8 +172,8 @@ def check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcac
         check_tensor("k_cache", k_cache, dim=4)
         if k_cache.dtype != q.dtype:
             raise TypeError(f"k_cache must have the dtype of q ({q.dtype}), got {k_cache.dtype}")
-        if k_cache.shape[3] != D_QK:
-            raise ValueError(f"k_cache must have head_dim {D_QK}, got shape {list(k_cache.shape)}")
+        if k_cache.shape[3] != d:
+            raise ValueError(f"k_cache must have q's head_dim {d}, got shape {list(k_cache.shape)}")
     if not per_tensor:
         for name, val in (("descale_q", descale_q), ("descale_k", descale_k)):
             if val is not None:

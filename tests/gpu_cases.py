@@ -10,9 +10,10 @@ SENTINEL_BLOCK = 2147480000  # FlashMLA's value for unused block-table entries
 
 
 def make_dense_case(b, s_q, s_k, h_q, h_kv, *, varlen=False, page=64, dtype=torch.bfloat16, zero_half=False,
-                    device="cuda", gen=None, lengths=None, scale=0.1):
+                    device="cuda", gen=None, lengths=None, scale=0.1, d_qk=576):
     """Random paged decode inputs as FlashMLA's tests make them (normal / 10, clamped to [-1, 1]), with
-    its poison: NaN past each length, sentinel ids in unused block-table entries."""
+    its poison: NaN past each length, sentinel ids in unused block-table entries.  ``d_qk``: q's and the
+    cache's head_dim (576, or 512 without a RoPE part)."""
     gen = gen or torch.Generator(device="cpu").manual_seed(0)
     if lengths is None:
         if varlen:
@@ -39,10 +40,10 @@ def make_dense_case(b, s_q, s_k, h_q, h_kv, *, varlen=False, page=64, dtype=torc
     # The values are drawn on the target device (seeded from ``gen``): drawn on the host, the
     # largest grid cases (a 10 GB cache) took most of a GPU test run.
     dev_gen = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
-    cache = (torch.randn(num_blocks, page, h_kv, 576, generator=dev_gen, device=device) * scale).clamp(-1, 1)
+    cache = (torch.randn(num_blocks, page, h_kv, d_qk, generator=dev_gen, device=device) * scale).clamp(-1, 1)
     cache = cache.to(dtype)
-    cache.view(num_blocks * page, h_kv, 576)[poison.to(device)] = float("nan")
-    q = (torch.randn(b, s_q, h_q, 576, generator=dev_gen, device=device) * scale).clamp(-1, 1).to(dtype)
+    cache.view(num_blocks * page, h_kv, d_qk)[poison.to(device)] = float("nan")
+    q = (torch.randn(b, s_q, h_q, d_qk, generator=dev_gen, device=device) * scale).clamp(-1, 1).to(dtype)
     return dict(
         q=q, k_cache=cache, block_table=block_table.to(device), cache_seqlens=lens.to(torch.int32).to(device),
     )

@@ -117,8 +117,9 @@ DENSE_CASES = {
     "cache_seqlens_rank0": (lambda a: dict(cache_seqlens=_lens(10)), ValueError, "cache_seqlens must have 1"),
     "cache_seqlens_rank2": (lambda a: dict(cache_seqlens=a["cache_seqlens"][None]), ValueError, "cache_seqlens must have 1"),
     # shapes
-    "q_last_dim_512": (lambda a: dict(q=a["q"][..., :512]), ValueError, "q must have head_dim 576"),
-    "k_cache_last_dim_512": (lambda a: dict(k_cache=a["k_cache"][..., :512]), ValueError, "k_cache must have head_dim"),
+    "q_512_cache_576": (lambda a: dict(q=a["q"][..., :512]), ValueError, "k_cache must have q's head_dim 512"),
+    "q_last_dim_520": (lambda a: dict(q=a["q"][..., :520]), ValueError, "q must have head_dim 576 .* or 512"),
+    "k_cache_last_dim_512": (lambda a: dict(k_cache=a["k_cache"][..., :512]), ValueError, "k_cache must have q.s head_dim 576"),
     "fp8_cache_wrong_row_bytes": (
         lambda a: dict(k_cache=mla_cute.quantize_kv_cache(a["k_cache"])[..., :600], is_fp8_kvcache=True),
         ValueError, "k_cache must have shape",
