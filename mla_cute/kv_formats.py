@@ -275,19 +275,35 @@ def gather_rows(k_cache: torch.Tensor, tokens: torch.Tensor, kv_format=None) -> 
     return _from_token_bytes(fmt, raw).float()
 
 
+def last_writes(slot_mapping: torch.Tensor) -> torch.Tensor:
+    """``slot_mapping`` with each row whose slot a later row names again set to -1 (skipped): of rows aimed at one
+    slot only the last, in ``slot_mapping`` order, is written, whole, as a sequential write would leave it.  Torch
+    operations on the slots' device (a stable sort; no host read, so a CUDA graph captures them)."""
+    n = slot_mapping.shape[0]
+    if n < 2:
+        return slot_mapping
+    order = torch.argsort(slot_mapping, stable=True)
+    ordered = slot_mapping[order]
+    last = torch.ones(n, dtype=torch.bool, device=slot_mapping.device)
+    last[:-1] = ordered[1:] != ordered[:-1]
+    keep = torch.empty_like(last).scatter_(0, order, last)
+    return torch.where(keep, slot_mapping, torch.full((), -1, dtype=slot_mapping.dtype, device=slot_mapping.device))
+
+
 @without_function_modes
 def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor, kv_format=None,
                    backend=None) -> None:
     """Quantize rows ``[n, d_qk]`` (bf16, fp16 or fp32) into their slots of a quantized cache, in place: row i goes
     to token ``slot_mapping[i]`` (``block * page + offset``; -1 skips the row), its bytes those
-    ``quantize_kv_cache`` gives the row.  Slots must be -1 or distinct and within the cache,
-    ``[0, num_blocks * page_block_size)``.
+    ``quantize_kv_cache`` gives the row.  Slots must be -1 or within the cache, ``[0, num_blocks *
+    page_block_size)``.  Rows aimed at one slot: the last of them in ``slot_mapping`` order is written, whole, on
+    either backend (``last_writes``), as a sequential write would leave the slot.
 
     On the ``cute`` backend (CUDA tensors on Hopper) this is one kernel launch that reads no value on the host, so
     a CUDA graph can capture it: a slot outside the cache (any negative one, -5 as -1, or one past its end) is
-    skipped like -1, and duplicate slots are not detected (one launch cannot report them).  The ``reference``
+    skipped like -1; the duplicates' rule adds a few torch operations (a sort of the slots) before it.  The ``reference``
     backend (torch code, the CPU's, or any device's with ``backend="reference"``) reads the slots on the host and
-    raises ValueError naming slot_mapping for any of these (a negative slot other than -1 included)."""
+    raises ValueError naming slot_mapping for a slot outside the cache (a negative one other than -1 included)."""
     from .backend import select_backend
 
     fmt = format_of(k_cache, kv_format)
@@ -310,18 +326,20 @@ def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: 
     if select_backend(k_cache.device, backend) == "cute":
         from .backends.cute import write_cache
 
-        write_cache(k_cache, new_rows, slot_mapping, fmt)
+        write_cache(k_cache, new_rows, last_writes(slot_mapping), fmt)
         return
     nb, page = k_cache.shape[0], k_cache.shape[1]
-    keep = slot_mapping != -1
-    slots, rows = slot_mapping[keep].long(), new_rows[keep]
-    if slots.numel() == 0:
+    given = slot_mapping[slot_mapping != -1]
+    if given.numel() == 0:
         return
-    lo, hi = torch.stack([slots.min(), slots.max()]).tolist()
+    lo, hi = torch.stack([given.min(), given.max()]).tolist()
     if lo < 0:
         raise ValueError(f"slot_mapping must hold -1 (skip the row) or slots >= 0, got {lo}")
-    if hi >= nb * page or slots.unique().numel() != slots.numel():
-        raise ValueError(f"slot_mapping must name distinct slots below num_blocks * page_block_size = {nb * page}")
+    if hi >= nb * page:
+        raise ValueError(f"slot_mapping must name slots below num_blocks * page_block_size = {nb * page}, got {hi}")
+    winners = last_writes(slot_mapping)
+    keep = winners != -1
+    slots, rows = winners[keep].long(), new_rows[keep]
     blk, off = slots // page, slots % page
     raw = _token_bytes(fmt, rows) if fmt != "V32" else (
         quantize_kv_cache(rows.reshape(-1, 1, 1, d), kv_format=fmt).view(torch.uint8).reshape(rows.shape[0], -1))

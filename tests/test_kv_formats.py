@@ -244,6 +244,23 @@ def test_write_kv_cache_matches_quantizing_the_whole_cache(fmt):
         assert torch.equal(c[slots], w[slots])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_kv_cache_duplicate_slots_keep_the_last_row(fmt):
+    """Rows aimed at one slot: the last in slot_mapping order is written whole, as one write after another would
+    leave the slot; -1 rows skipped in between do not count."""
+    nb, page = 2, 16
+    cache = mla_cute.quantize_kv_cache(_rows(nb, page, fmt, seed=5), kv_format=fmt)
+    seq = mla_cute.quantize_kv_cache(_rows(nb, page, fmt, seed=5), kv_format=fmt)
+    rows = torch.randn(7, HEAD_DIM[fmt], generator=torch.Generator().manual_seed(6)).bfloat16()
+    slots = torch.tensor([3, 20, 3, -1, 20, 3, 9], dtype=torch.int64)
+    kv = fmt if fmt in ("V32_NO_ROPE", "V41_PAGED") else None
+    mla_cute.write_kv_cache(cache, rows, slots, kv_format=kv)
+    for i in range(7):  # one row at a time
+        mla_cute.write_kv_cache(seq, rows[i:i + 1], slots[i:i + 1], kv_format=kv)
+    assert torch.equal(cache.view(torch.uint8), seq.view(torch.uint8))
+    assert mla_cute.kv_formats.last_writes(slots).tolist() == [-1, -1, -1, -1, 20, 3, 9]
+
+
 def test_write_kv_cache_rejects():
     cache = mla_cute.quantize_kv_cache(_rows(2, 16, "V41"), kv_format="V41")
     rows = torch.zeros(3, 512).bfloat16()
@@ -253,10 +270,8 @@ def test_write_kv_cache_rejects():
         mla_cute.write_kv_cache(cache, rows, torch.zeros(3))
     with pytest.raises(ValueError, match="slot_mapping must have shape"):
         mla_cute.write_kv_cache(cache, rows, torch.zeros(2, dtype=torch.int32))
-    with pytest.raises(ValueError, match="distinct slots below"):
+    with pytest.raises(ValueError, match="slots below num_blocks \\* page_block_size = 32, got 32"):
         mla_cute.write_kv_cache(cache, rows, torch.tensor([0, 32, 1], dtype=torch.int32))
-    with pytest.raises(ValueError, match="distinct slots"):
-        mla_cute.write_kv_cache(cache, rows, torch.tensor([4, 4, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match="slot_mapping must hold -1 .* or slots >= 0, got -5"):
         mla_cute.write_kv_cache(cache, rows, torch.tensor([4, -5, 1], dtype=torch.int32))
 

@@ -93,6 +93,31 @@ def _token_view(pages: torch.Tensor, fmt: str, page: int) -> torch.Tensor:
     return torch.cat([rows, scales], dim=-1).reshape(nb * page, data + scale)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_writer_duplicate_slots_keep_the_last_row_whole(fmt):
+    """512 rows aimed at 16 slots, shuffled, 30 runs: each slot holds the bytes of its last row in slot_mapping
+    order (as the reference backend and a sequential write leave it), never one row's data with another's scales,
+    the same on every run."""
+    g = torch.Generator().manual_seed(hash(fmt) % 2**31)
+    nb, page = 4, 64
+    kv = fmt if fmt in ("V32_NO_ROPE", "V41_PAGED") else None
+    cache = _cache(fmt, nb, page, g)
+    base = _same_cache(cache, fmt)
+    targets = torch.randperm(nb * page, generator=g)[:16]
+    for run in range(30):
+        slots = targets[torch.randint(16, (512,), generator=g)]
+        rows = (torch.randn(512, HEAD_DIM[fmt], generator=g) * 3).bfloat16()
+        got, want = _same_cache(base, fmt), _same_cache(base, fmt)
+        mla_cute.write_kv_cache(got, rows.cuda(), slots.cuda(), kv_format=kv)
+        mla_cute.write_kv_cache(want, rows.cuda(), slots.cuda(), kv_format=kv, backend="reference")
+        assert torch.equal(_pages(got, fmt), _pages(want, fmt)), f"run {run}"
+        last = {int(s): i for i, s in enumerate(slots.tolist())}
+        cpu = _token_view(_pages(mla_cute.quantize_kv_cache(rows.reshape(512, 1, 1, -1), kv_format=fmt), fmt), fmt, 1)
+        tokens = _token_view(_pages(got, fmt), fmt, page)
+        for s, i in last.items():
+            assert torch.equal(tokens[s].cpu(), cpu[i]), f"run {run}, slot {s}"
+
+
 def test_writer_keeps_other_slots_and_skips_the_rest():
     g = torch.Generator().manual_seed(3)
     fmt, nb, page = "V4", 5, 64
