@@ -18,7 +18,7 @@ _EXPORTS = {
     "use_schedule": "api",
     "quantize_kv_cache": "kv_formats",
     "dequantize_kv_cache": "kv_formats",
-    "write_kv_cache": "kv_formats",
+    "write_kv_cache": "api",
     "FP8_BYTES_PER_TOKEN": "fp8",
     "select_backend": "backend",
     "cache_info": "jit",

@@ -14,6 +14,7 @@ import torch
 from . import validation as V
 from .backend import ENV_VAR, select_backend
 from .backends import cute, reference
+from .backends.operations import CACHE_WRITE
 from .device import capture_id, device_facts
 from .host import without_function_modes
 from .fp8 import D_LATENT, D_QK, dequantize_kv_cache
@@ -757,6 +758,23 @@ def _replay_schedule_and_backend(plan, schedule, kind: type, backend) -> bool:
     if sched is not plan.schedule and sched != plan.schedule:
         return False
     return (backend if backend is not None else os.environ.get(ENV_VAR)) in (None, "", "cute")
+
+
+@without_function_modes
+def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor, kv_format=None,
+                   backend=None) -> None:
+    """Quantize rows ``[n, d_qk]`` (bf16, fp16 or fp32) into their slots of a quantized cache, in place: row i goes
+    to token ``slot_mapping[i]`` (``block * page + offset``; -1 skips the row), its bytes those
+    ``quantize_kv_cache`` gives the row.  Slots must be -1 or within the cache, ``[0, num_blocks *
+    page_block_size)``.  Rows aimed at one slot: the last of them in ``slot_mapping`` order is written, whole, on
+    either backend (``backends.operations.last_writes``), as a sequential write would leave the slot.
+
+    On the ``cute`` backend (CUDA tensors on Hopper) this is one kernel launch that reads no value on the host, so
+    a CUDA graph can capture it: a slot outside the cache (any negative one, -5 as -1, or one past its end) is
+    skipped like -1; the duplicates' rule adds a few torch operations (a sort of the slots) before it.  The ``reference``
+    backend (torch code, the CPU's, or any device's with ``backend="reference"``) reads the slots on the host and
+    raises ValueError naming slot_mapping for a slot outside the cache (a negative one other than -1 included)."""
+    CACHE_WRITE(k_cache, new_rows, slot_mapping, kv_format, backend)
 
 
 @without_function_modes

@@ -14,11 +14,11 @@ requests over the ranks by whole pages, for examples and tests.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
+from .backends.operations import MERGE
 from .host import without_function_modes
 
 
@@ -30,58 +30,7 @@ def merge_partial_attention(outs: torch.Tensor, lses: torch.Tensor, attn_sink: O
     Returns out ``[b, s_q, h_q, d_v]`` (outs' dtype) and lse ``[b, h_q, s_q]`` float32.  On the ``cute`` backend (CUDA
     tensors on Hopper; ``backend`` as the decode calls take it) one kernel launch (``kernels/merge.py``: bf16, fp16
     or fp32 outs, d_v a multiple of 256), else torch operations."""
-    if not isinstance(outs, torch.Tensor) or outs.dim() != 5 or not outs.dtype.is_floating_point:
-        raise ValueError(f"outs must be a float tensor [R, b, s_q, h_q, d_v], got "
-                         f"{tuple(outs.shape) if isinstance(outs, torch.Tensor) else type(outs).__name__}")
-    r, b, s_q, h_q, _ = outs.shape
-    if r == 0:
-        raise ValueError("outs must hold at least one part (R >= 1)")
-    if not isinstance(lses, torch.Tensor) or tuple(lses.shape) != (r, b, h_q, s_q) or lses.dtype != torch.float32:
-        raise ValueError(f"lses must be a float32 tensor [R, b, h_q, s_q] = {[r, b, h_q, s_q]} (outs'), got "
-                         f"{(tuple(lses.shape), lses.dtype) if isinstance(lses, torch.Tensor) else type(lses).__name__}")
-    if lses.device != outs.device:
-        raise ValueError(f"lses must be on outs' device ({outs.device}), got {lses.device}")
-    if attn_sink is not None and (not isinstance(attn_sink, torch.Tensor) or tuple(attn_sink.shape) != (h_q,)
-                                  or attn_sink.dtype != torch.float32 or attn_sink.device != outs.device):
-        raise ValueError(f"attn_sink must be a float32 tensor [{h_q}] on outs' device, or None")
-    from .backend import select_backend
-
-    if select_backend(outs.device, backend) == "cute":
-        return _merge_on_hopper(outs, lses, attn_sink)
-    parts = torch.where(torch.isposinf(lses), -math.inf, lses)  # an empty part weighs nothing
-    top = parts.amax(dim=0)
-    empty = torch.isneginf(top)
-    top = torch.where(empty, 0.0, top)
-    weights = torch.exp(parts - top)  # [R, b, h_q, s_q]; exp(-inf) = 0
-    total = weights.sum(dim=0)
-    lse = torch.where(empty, math.inf, top + torch.log(torch.where(empty, 1.0, total)))
-    scale = (weights / torch.where(empty, 1.0, total)).permute(0, 1, 3, 2).unsqueeze(-1)  # [R, b, s_q, h_q, 1]
-    out = (outs.float() * scale).sum(dim=0)
-    if attn_sink is not None:
-        # The sink's share: 1 / (1 + exp(sink - lse)); +inf sink: 0; -inf: 1; empty rows stay 0.
-        keep = torch.sigmoid(torch.where(empty, 0.0, lse) - attn_sink.view(1, h_q, 1))  # [b, h_q, s_q]
-        out = out * keep.permute(0, 2, 1).unsqueeze(-1)
-    return out.to(outs.dtype), lse
-
-
-def _merge_on_hopper(outs, lses, attn_sink):
-    from .kernels.build import compile_merge
-    from .schedules.configs import MergeConfig
-
-    if outs.dtype not in (torch.bfloat16, torch.float16, torch.float32) or outs.shape[-1] % 256:
-        raise NotImplementedError(f"outs: the 'cute' merge takes bf16, fp16 or fp32 outs with d_v a multiple of 256, "
-                                  f"got {outs.dtype} with d_v {outs.shape[-1]} (backend='reference' merges any)")
-    r, b, s_q, h_q, d_v = outs.shape
-    out = torch.empty((b, s_q, h_q, d_v), dtype=outs.dtype, device=outs.device)
-    lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=outs.device)
-    if out.numel() == 0:
-        lse.fill_(math.inf)
-        return out, lse
-    packed = outs if outs.is_contiguous() and outs.data_ptr() % 16 == 0 else outs.clone(
-        memory_format=torch.contiguous_format)
-    kernel = compile_merge(MergeConfig(str(outs.dtype).replace("torch.", ""), d_v, attn_sink is not None))
-    kernel(packed, lses.contiguous(), attn_sink.contiguous() if attn_sink is not None else None, out, lse)
-    return out, lse
+    return MERGE(outs, lses, attn_sink, backend)
 
 
 def context_parallel_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, *,

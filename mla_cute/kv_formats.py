@@ -35,7 +35,6 @@ import torch
 
 from .fp8 import FP8_BYTES_PER_TOKEN, _check_cache, bf16_bytes, e4m3_tiles, fp32_scales
 from .fp8 import dequantize_kv_cache as _dequantize_v32, quantize_kv_cache as _quantize_v32
-from .host import without_function_modes
 
 D_V4 = 512
 V4_NOPE, V4_TILE, V4_TILES = 448, 64, 7
@@ -273,81 +272,3 @@ def gather_rows(k_cache: torch.Tensor, tokens: torch.Tensor, kv_format=None) -> 
         scales = pages[blk.unsqueeze(1), at.unsqueeze(1) + torch.arange(scale, device=tokens.device)]
         raw = torch.cat([rows, scales], dim=1)
     return _from_token_bytes(fmt, raw).float()
-
-
-def last_writes(slot_mapping: torch.Tensor) -> torch.Tensor:
-    """``slot_mapping`` with each row whose slot a later row names again set to -1 (skipped): of rows aimed at one
-    slot only the last, in ``slot_mapping`` order, is written, whole, as a sequential write would leave it.  Torch
-    operations on the slots' device (a stable sort; no host read, so a CUDA graph captures them)."""
-    n = slot_mapping.shape[0]
-    if n < 2:
-        return slot_mapping
-    order = torch.argsort(slot_mapping, stable=True)
-    ordered = slot_mapping[order]
-    last = torch.ones(n, dtype=torch.bool, device=slot_mapping.device)
-    last[:-1] = ordered[1:] != ordered[:-1]
-    keep = torch.empty_like(last).scatter_(0, order, last)
-    return torch.where(keep, slot_mapping, torch.full((), -1, dtype=slot_mapping.dtype, device=slot_mapping.device))
-
-
-@without_function_modes
-def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor, kv_format=None,
-                   backend=None) -> None:
-    """Quantize rows ``[n, d_qk]`` (bf16, fp16 or fp32) into their slots of a quantized cache, in place: row i goes
-    to token ``slot_mapping[i]`` (``block * page + offset``; -1 skips the row), its bytes those
-    ``quantize_kv_cache`` gives the row.  Slots must be -1 or within the cache, ``[0, num_blocks *
-    page_block_size)``.  Rows aimed at one slot: the last of them in ``slot_mapping`` order is written, whole, on
-    either backend (``last_writes``), as a sequential write would leave the slot.
-
-    On the ``cute`` backend (CUDA tensors on Hopper) this is one kernel launch that reads no value on the host, so
-    a CUDA graph can capture it: a slot outside the cache (any negative one, -5 as -1, or one past its end) is
-    skipped like -1; the duplicates' rule adds a few torch operations (a sort of the slots) before it.  The ``reference``
-    backend (torch code, the CPU's, or any device's with ``backend="reference"``) reads the slots on the host and
-    raises ValueError naming slot_mapping for a slot outside the cache (a negative one other than -1 included)."""
-    from .backend import select_backend
-
-    fmt = format_of(k_cache, kv_format)
-    _check_cache("k_cache", k_cache, BYTES_PER_TOKEN[fmt], _BYTES_IN)
-    check_page_layout("k_cache", k_cache, fmt)
-    d = HEAD_DIM[fmt]
-    if not isinstance(new_rows, torch.Tensor) or new_rows.dim() != 2 or new_rows.shape[1] != d:
-        raise ValueError(f"new_rows must be a tensor [n, {d}] for a {fmt} cache, got "
-                         f"{list(new_rows.shape) if isinstance(new_rows, torch.Tensor) else type(new_rows).__name__}")
-    if new_rows.dtype not in _HALF_IN:
-        raise TypeError(f"new_rows must have dtype bfloat16, float16 or float32, got {new_rows.dtype}")
-    if (not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1
-            or slot_mapping.dtype not in (torch.int32, torch.int64)):
-        raise TypeError("slot_mapping must be an int32 or int64 tensor [n]")
-    if slot_mapping.shape[0] != new_rows.shape[0]:
-        raise ValueError(f"slot_mapping must have shape [{new_rows.shape[0]}] (new_rows' n), got "
-                         f"{list(slot_mapping.shape)}")
-    if new_rows.device != k_cache.device or slot_mapping.device != k_cache.device:
-        raise ValueError("new_rows and slot_mapping must be on k_cache's device")
-    if select_backend(k_cache.device, backend) == "cute":
-        from .backends.cute import write_cache
-
-        write_cache(k_cache, new_rows, last_writes(slot_mapping), fmt)
-        return
-    nb, page = k_cache.shape[0], k_cache.shape[1]
-    given = slot_mapping[slot_mapping != -1]
-    if given.numel() == 0:
-        return
-    lo, hi = torch.stack([given.min(), given.max()]).tolist()
-    if lo < 0:
-        raise ValueError(f"slot_mapping must hold -1 (skip the row) or slots >= 0, got {lo}")
-    if hi >= nb * page:
-        raise ValueError(f"slot_mapping must name slots below num_blocks * page_block_size = {nb * page}, got {hi}")
-    winners = last_writes(slot_mapping)
-    keep = winners != -1
-    slots, rows = winners[keep].long(), new_rows[keep]
-    blk, off = slots // page, slots % page
-    raw = _token_bytes(fmt, rows) if fmt != "V32" else (
-        quantize_kv_cache(rows.reshape(-1, 1, 1, d), kv_format=fmt).view(torch.uint8).reshape(rows.shape[0], -1))
-    if fmt not in PAGE_BLOCKED:
-        k_cache.view(torch.uint8)[blk, off, 0] = raw
-        return
-    data, scale, _ = PAGE_BLOCKED[fmt]
-    pages = page_rows(k_cache, data + scale)
-    pages[blk.unsqueeze(1), (data * off).unsqueeze(1) + torch.arange(data, device=slots.device)] = raw[:, :data]
-    at = data * page + scale * off
-    pages[blk.unsqueeze(1), at.unsqueeze(1) + torch.arange(scale, device=slots.device)] = raw[:, data:]

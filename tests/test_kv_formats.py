@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mla_cute
+from mla_cute.backends.operations import last_writes
 from mla_cute.kv_formats import BYTES_PER_TOKEN, HEAD_DIM, PAGE_BLOCKED, format_of, page_bytes, v4_page_bytes
 
 FORMATS = list(BYTES_PER_TOKEN)
@@ -258,7 +259,7 @@ def test_write_kv_cache_duplicate_slots_keep_the_last_row(fmt):
     for i in range(7):  # one row at a time
         mla_cute.write_kv_cache(seq, rows[i:i + 1], slots[i:i + 1], kv_format=kv)
     assert torch.equal(cache.view(torch.uint8), seq.view(torch.uint8))
-    assert mla_cute.kv_formats.last_writes(slots).tolist() == [-1, -1, -1, -1, 20, 3, 9]
+    assert last_writes(slots).tolist() == [-1, -1, -1, -1, 20, 3, 9]
 
 
 def test_write_kv_cache_rejects():

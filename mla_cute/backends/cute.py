@@ -323,16 +323,38 @@ def precompile_writer(kv_format: str, dtype: torch.dtype, slot_dtype: torch.dtyp
 
 
 def write_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor, kv_format: str) -> None:
-    """``write_kv_cache`` in one launch of the cache writer (``kernels/write_cache.py``), arguments checked."""
+    """``write_kv_cache`` in one launch of the cache writer (``kernels/write_cache.py``); the arguments checked,
+    ``check_cache_layout`` included."""
     from ..kernels.build import compile_write_cache
 
-    check_cache_layout(k_cache, kv_format, "k_cache", "cache writer")
     if new_rows.shape[0] == 0:
         return
     rows = new_rows if _aligned(new_rows) else _packed_copy(new_rows)
     kernel = compile_write_cache(_writer_config(kv_format, new_rows.dtype, slot_mapping.dtype))
     data, scale, _ = PAGE_BLOCKED.get(kv_format, (BYTES_PER_TOKEN[kv_format], 0, 0))
     kernel(rows, slot_mapping.contiguous(), page_rows(k_cache, data + scale).view(torch.int32), k_cache.shape[1])
+
+
+def merge(outs: torch.Tensor, lses: torch.Tensor, attn_sink: Optional[torch.Tensor]):
+    """``merge_partial_attention`` in one launch of ``kernels/merge.py`` (bf16, fp16 or fp32 outs, d_v a multiple of
+    256)."""
+    from ..kernels.build import compile_merge
+    from ..schedules.configs import MergeConfig
+
+    if outs.dtype not in (torch.bfloat16, torch.float16, torch.float32) or outs.shape[-1] % 256:
+        raise NotImplementedError(f"outs: the 'cute' merge takes bf16, fp16 or fp32 outs with d_v a multiple of 256, "
+                                  f"got {outs.dtype} with d_v {outs.shape[-1]} (backend='reference' merges any)")
+    r, b, s_q, h_q, d_v = outs.shape
+    out = torch.empty((b, s_q, h_q, d_v), dtype=outs.dtype, device=outs.device)
+    lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=outs.device)
+    if out.numel() == 0:
+        lse.fill_(math.inf)
+        return out, lse
+    packed = outs if outs.is_contiguous() and outs.data_ptr() % 16 == 0 else outs.clone(
+        memory_format=torch.contiguous_format)
+    kernel = compile_merge(MergeConfig(str(outs.dtype).replace("torch.", ""), d_v, attn_sink is not None))
+    kernel(packed, lses.contiguous(), attn_sink.contiguous() if attn_sink is not None else None, out, lse)
+    return out, lse
 
 
 def check_kernel_format(kv_format: str, name: str) -> None:

@@ -14,8 +14,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+import math
+
 from ..fp8 import D_LATENT
-from ..kv_formats import format_of, gather_rows
+from ..kv_formats import PAGE_BLOCKED, _token_bytes, format_of, gather_rows, page_rows, quantize_kv_cache
 
 _INF = float("inf")
 # Keys held in fp32 at a time (per KV head): 4096 x 576 x 4 bytes = 9 MiB.
@@ -217,3 +219,60 @@ def sparse_prefill(
         rows_of = lambda tokens: rows[tokens].float()  # noqa: E731
     out, lse, max_logit = _sparse_attend(q, rows_of, idx, valid, sm_scale, d_v, attn_sink)
     return out, max_logit, lse
+
+
+# ---------------------------------------------------------------- the cache write
+def check_slots(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """The slots' values (read on the host): -1 (skip the row) or a token of the cache."""
+    given = slot_mapping[slot_mapping != -1]
+    if given.numel() == 0:
+        return
+    tokens = k_cache.shape[0] * k_cache.shape[1]
+    lo, hi = torch.stack([given.min(), given.max()]).tolist()
+    if lo < 0:
+        raise ValueError(f"slot_mapping must hold -1 (skip the row) or slots >= 0, got {lo}")
+    if hi >= tokens:
+        raise ValueError(f"slot_mapping must name slots below num_blocks * page_block_size = {tokens}, got {hi}")
+
+
+def write_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor, fmt: str) -> None:
+    """Rows into their slots (``slot_mapping``: -1 or distinct tokens of the cache), each row's bytes
+    ``quantize_kv_cache``'s (a page-blocked token's data row and scale row where the page's layout puts them)."""
+    keep = slot_mapping != -1
+    slots, rows = slot_mapping[keep].long(), new_rows[keep]
+    if slots.numel() == 0:
+        return
+    page, d = k_cache.shape[1], new_rows.shape[1]
+    blk, off = slots // page, slots % page
+    raw = _token_bytes(fmt, rows) if fmt != "V32" else (
+        quantize_kv_cache(rows.reshape(-1, 1, 1, d), kv_format=fmt).view(torch.uint8).reshape(rows.shape[0], -1))
+    if fmt not in PAGE_BLOCKED:
+        k_cache.view(torch.uint8)[blk, off, 0] = raw
+        return
+    data, scale, _ = PAGE_BLOCKED[fmt]
+    pages = page_rows(k_cache, data + scale)
+    pages[blk.unsqueeze(1), (data * off).unsqueeze(1) + torch.arange(data, device=slots.device)] = raw[:, :data]
+    at = data * page + scale * off
+    pages[blk.unsqueeze(1), at.unsqueeze(1) + torch.arange(scale, device=slots.device)] = raw[:, data:]
+
+
+# ---------------------------------------------------------------- the cross-rank merge
+def merge(outs: torch.Tensor, lses: torch.Tensor, attn_sink: Optional[torch.Tensor]):
+    """``merge_partial_attention`` in torch: lse = log sum_r exp(lse_r), out = sum_r exp(lse_r - lse) out_r in fp32;
+    a part with lse +inf weighs nothing, a row with no part gets out 0 and lse +inf; the sink scales the merged rows
+    by 1 / (1 + exp(sink - lse)), lse unchanged."""
+    h_q = outs.shape[3]
+    parts = torch.where(torch.isposinf(lses), -math.inf, lses)  # an empty part weighs nothing
+    top = parts.amax(dim=0)
+    empty = torch.isneginf(top)
+    top = torch.where(empty, 0.0, top)
+    weights = torch.exp(parts - top)  # [R, b, h_q, s_q]; exp(-inf) = 0
+    total = weights.sum(dim=0)
+    lse = torch.where(empty, math.inf, top + torch.log(torch.where(empty, 1.0, total)))
+    scale = (weights / torch.where(empty, 1.0, total)).permute(0, 1, 3, 2).unsqueeze(-1)  # [R, b, s_q, h_q, 1]
+    out = (outs.float() * scale).sum(dim=0)
+    if attn_sink is not None:
+        # The sink's share: 1 / (1 + exp(sink - lse)); +inf sink: 0; -inf: 1; empty rows stay 0.
+        keep = torch.sigmoid(torch.where(empty, 0.0, lse) - attn_sink.view(1, h_q, 1))  # [b, h_q, s_q]
+        out = out * keep.permute(0, 2, 1).unsqueeze(-1)
+    return out.to(outs.dtype), lse
