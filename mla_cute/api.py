@@ -14,7 +14,7 @@ import torch
 from . import validation as V
 from .backend import ENV_VAR, select_backend
 from .backends import cute, reference
-from .backends.operations import CACHE_WRITE
+from .backends.operations import CACHE_WRITE, SPARSE_PREFILL, into_out
 from .device import capture_id, device_facts
 from .host import without_function_modes
 from .fp8 import D_LATENT, D_QK, dequantize_kv_cache
@@ -462,7 +462,7 @@ def flash_mla_with_kvcache(
                 if first:
                     _fill_reference_metadata(tile_scheduler_metadata, q, k_cache, cache_seqlens, masked, sched,
                                              host_lengths)
-                return _into(out, _reference_dense(q, k_cache, block_table, cache_seqlens, softmax_scale, masked,
+                return into_out(out, _reference_dense(q, k_cache, block_table, cache_seqlens, softmax_scale, masked,
                                                    head_dim_v, is_fp8_kvcache, descale_q, descale_k))
             out, lse = cute.dense_decode(
                 q, k_cache, block_table, cache_seqlens, softmax_scale, masked, tile_scheduler_metadata, first, sched,
@@ -500,7 +500,7 @@ def flash_mla_with_kvcache(
             if first:
                 _fill_sparse_reference_metadata(tile_scheduler_metadata, q, indices.shape[-1], topk_length, sched)
             extra = (extra_k_cache, extra_fmt, extra_indices_in_kvcache, extra_topk_length) if given else None
-            return _into(out, reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink,
+            return into_out(out, reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink,
                                                           head_dim_v, fmt, extra))
         extra = (extra_k_cache, extra_fmt, extra_indices_in_kvcache, extra_topk_length) if given else None
         out, lse = cute.sparse_decode(
@@ -539,7 +539,7 @@ def _given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num
     if kind == "reference":
         host_lengths = V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
         _check_given_plan(records, num_splits, host_lengths, parts, scheduler, "this call's cache_seqlens")
-        return _into(out, _reference_dense(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, head_dim_v,
+        return into_out(out, _reference_dense(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, head_dim_v,
                                            is_fp8_kvcache, *descales))
     return cute.dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, records, num_splits,
                                    sched, out)
@@ -567,7 +567,7 @@ def _sparse_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, recor
     softmax_scale = _given_scale(softmax_scale, q)
     if kind == "reference":
         _check_given_plan(records, num_splits, sparse_lengths(topk, None, b), parts, scheduler, f"topk ({topk})")
-        return _into(out, reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink,
+        return into_out(out, reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink,
                                                       head_dim_v, fmt, None))
     return cute.sparse_decode_given(q, k_cache, indices, topk_length, attn_sink, softmax_scale, records, num_splits,
                                     sched, fmt, out)
@@ -673,14 +673,6 @@ def _reference_dense(q, k_cache, block_table, cache_seqlens, softmax_scale, mask
         q = q.float() * descale_q
     out, lse = reference.dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, head_dim_v)
     return (out.to(torch.bfloat16) if fp8_q else out), lse
-
-
-def _into(out: Optional[torch.Tensor], result: tuple) -> tuple:
-    """A reference result with its first tensor written into the caller's ``out`` (when given)."""
-    if out is None:
-        return result
-    out.copy_(result[0])
-    return (out, *result[1:])
 
 
 def _replay_dense(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
@@ -820,18 +812,7 @@ def flash_mla_sparse_fwd(
         raise TypeError(f"use_legacy must be a bool, got {V.type_name(use_legacy)}")
     if return_log2_lse is not None and type(return_log2_lse) is not bool:
         raise TypeError(f"return_log2_lse must be None or a bool, got {V.type_name(return_log2_lse)}")
-    V.check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length)
-    sm_scale = V.check_scale("sm_scale", sm_scale)
-    if out is not None:
-        V.check_out(out, (*q.shape[:2], d_v), q.dtype, q.device)
-    kind = select_backend(q.device, backend)
-    if kind == "reference":
-        res = _into(out, reference.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length))
-    elif kv.dim() == 4:  # the paged FP8 cache
-        cute.check_sparse_supported(kv, "V32", "kv")
-        res = cute.sparse_prefill_fp8(q, kv, indices, sm_scale, attn_sink, topk_length, out)
-    else:
-        res = cute.sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out)
+    res = SPARSE_PREFILL(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, backend, out)
     if return_log2_lse is None:
         return res
     if not return_log2_lse:

@@ -3,6 +3,8 @@ stated here once), then the ``reference`` backend's torch code (``reference.py``
 ``cute`` backend's kernels (``cute.py``: resolve, compile, launch).  The public functions are thin adapters over
 them (``api.write_kv_cache``, ``distributed.merge_partial_attention``).
 
+  SparsePrefill  sparse prefill over bf16 rows or the paged FP8 cache (``kernels/sparse_prefill.py``, or the
+                 sparse decode kernel serving each query token whole)
   CacheWrite  rows quantized into their slots of a quantized cache (``kernels/write_cache.py``)
   Merge       R partial attention results merged by log-sum-exp (``kernels/merge.py``)
 """
@@ -13,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .. import validation as V
 from ..backend import select_backend
 from ..fp8 import _check_cache
 from ..kv_formats import _BYTES_IN, _HALF_IN, BYTES_PER_TOKEN, HEAD_DIM, check_page_layout, format_of
@@ -32,6 +35,32 @@ def last_writes(slot_mapping: torch.Tensor) -> torch.Tensor:
     last[:-1] = ordered[1:] != ordered[:-1]
     keep = torch.empty_like(last).scatter_(0, order, last)
     return torch.where(keep, slot_mapping, torch.full((), -1, dtype=slot_mapping.dtype, device=slot_mapping.device))
+
+
+def into_out(out: Optional[torch.Tensor], result: tuple) -> tuple:
+    """A reference result with its first tensor written into the caller's ``out`` (when given), returned as the
+    kernels return it."""
+    if out is None:
+        return result
+    out.copy_(result[0])
+    return (out, *result[1:])
+
+
+class SparsePrefill:
+    """``flash_mla_sparse_fwd``'s attention: (out, max_logits, lse) in natural units."""
+
+    def __call__(self, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, backend: Optional[str] = None,
+                 out: Optional[torch.Tensor] = None) -> tuple:
+        V.check_sparse_prefill(q, kv, indices, d_v, attn_sink, topk_length)
+        sm_scale = V.check_scale("sm_scale", sm_scale)
+        if out is not None:
+            V.check_out(out, (*q.shape[:2], d_v), q.dtype, q.device)
+        if select_backend(q.device, backend) == "reference":
+            return into_out(out, reference.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length))
+        if kv.dim() == 4:  # the paged FP8 cache
+            cute.check_sparse_supported(kv, "V32", "kv")
+            return cute.sparse_prefill_fp8(q, kv, indices, sm_scale, attn_sink, topk_length, out)
+        return cute.sparse_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out)
 
 
 class CacheWrite:
@@ -97,5 +126,6 @@ class Merge:
             raise ValueError(f"attn_sink must be a float32 tensor [{h_q}] on outs' device, or None")
 
 
+SPARSE_PREFILL = SparsePrefill()
 CACHE_WRITE = CacheWrite()
 MERGE = Merge()
