@@ -48,10 +48,11 @@ _found: dict = {}
 def _record_compiles(ptx_dir: str | None) -> None:
     """Route this process's compiles through a recorder of their normalized PTX digests (once)."""
     import mla_cute.kernels.build as build
+    import mla_cute.kernels.signatures as sig
 
     if getattr(build.cached_compile, "records_ptx", False):
         return
-    plain, keep = build.cached_compile, build.compile_options
+    plain, keep = build.cached_compile, sig.compile_options
 
     def recording(key, fn, *, describe="", persistent=True):
         compiled = plain(key, fn, describe=describe, persistent=False)
@@ -65,7 +66,7 @@ def _record_compiles(ptx_dir: str | None) -> None:
 
     recording.records_ptx = True
     build.cached_compile = recording
-    build.compile_options = lambda extra="": keep((extra + " --keep-ptx").strip())
+    sig.compile_options = lambda extra="": keep((extra + " --keep-ptx").strip())
 
 
 def digest_config(index: int, ptx_dir: str | None) -> dict:
