@@ -108,6 +108,9 @@ class DenseSeesawKernel(SeesawConsumer):
     """Static configuration of one compiled seesaw dense decode kernel."""
 
     kv_stages = 2  # the tile pair
+    # 576-feature rows unless the config says 512 (``__init__``; a subclass with its own reads keeps these).
+    has_rope = True
+    v_r_subs = V_R_SUBS
     # With the load warpgroup (384 threads, one CTA per SM): setmaxnreg moves registers within the CTA's
     # 384 x 168, so 2 x 128 x 240 + 128 x 24 = 64 512.
     launch_regs = 168
