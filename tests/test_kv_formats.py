@@ -368,3 +368,15 @@ def test_whole_pages_of_a_page_blocked_cache_are_accepted(fmt):
     mla_cute.write_kv_cache(packed[1:], x[0, :2, 0].float(), torch.tensor([5, 70]), kv_format=fmt)
     again = mla_cute.dequantize_kv_cache(packed, kv_format=fmt)
     assert torch.equal(again[1, 5], full[0, 0]) and torch.equal(again[2, 6], full[0, 1])
+
+
+@pytest.mark.parametrize("n", [1, 2, 17, 4096])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_last_writes_keeps_the_last_row_of_each_slot(n, dtype):
+    """Against one pass in slot_mapping order: a row keeps its slot only if no later row names it (-1 and other
+    negative slots included, which the writers skip or refuse after)."""
+    slots = torch.randint(-3, max(n // 4, 2), (n,), generator=torch.Generator().manual_seed(n)).to(dtype)
+    last = {int(s): i for i, s in enumerate(slots.tolist())}
+    want = [s if last[s] == i else -1 for i, s in enumerate(slots.tolist())]
+    got = last_writes(slots)
+    assert got.dtype == dtype and got.tolist() == want

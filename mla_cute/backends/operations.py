@@ -26,15 +26,12 @@ def last_writes(slot_mapping: torch.Tensor) -> torch.Tensor:
     """``slot_mapping`` with each row whose slot a later row names again set to -1 (skipped): of rows aimed at one
     slot only the last, in ``slot_mapping`` order, is written, whole, as a sequential write would leave it.  Torch
     operations on the slots' device (a stable sort; no host read, so a CUDA graph captures them)."""
-    n = slot_mapping.shape[0]
-    if n < 2:
+    if slot_mapping.shape[0] < 2:
         return slot_mapping
-    order = torch.argsort(slot_mapping, stable=True)
-    ordered = slot_mapping[order]
-    last = torch.ones(n, dtype=torch.bool, device=slot_mapping.device)
-    last[:-1] = ordered[1:] != ordered[:-1]
-    keep = torch.empty_like(last).scatter_(0, order, last)
-    return torch.where(keep, slot_mapping, torch.full((), -1, dtype=slot_mapping.dtype, device=slot_mapping.device))
+    ordered, order = torch.sort(slot_mapping, stable=True)
+    repeated = torch.zeros_like(ordered, dtype=torch.bool)  # a later row (in order) names the same slot
+    repeated[:-1] = ordered[:-1] == ordered[1:]
+    return torch.empty_like(slot_mapping).scatter_(0, order, ordered.masked_fill(repeated, -1))
 
 
 def into_out(out: Optional[torch.Tensor], result: tuple) -> tuple:
