@@ -371,8 +371,8 @@ def flash_mla_with_kvcache(
             "V32_NO_ROPE" (528), "V4" (584), "V41" (528), "V41_PAGED" (528: V41 page-blocked), with q's head_dim
             512 for all but V32; None: as the bytes per token name it (528: V41).  Both backends read every one.
         extra_k_cache / extra_indices_in_kvcache / extra_topk_length: a second quantized cache (its own page
-            size and blocks; V41_FP4 beside V41 or V41_PAGED, else k_cache's format) whose indices join the same softmax: out
-            and lse over the union of both index sets.  The cute kernel reads an extra cache of k_cache's
+            size and blocks; V41_FP4 beside V41 or V41_PAGED, else k_cache's format) whose indices join the same
+            softmax: out and lse over the union of both index sets.  The cute kernel reads an extra cache of k_cache's
             format (V41_FP4: the reference backend only).
         backend: ``"cute"`` or ``"reference"`` (keyword only; default by device, or the
             ``MLA_CUTE_BACKEND`` environment variable).
@@ -431,12 +431,7 @@ def flash_mla_with_kvcache(
         raise ValueError("num_splits must be None with a FlashMLASchedMeta (the split counts live in it); as a "
                          "tensor it comes with tile_scheduler_metadata from get_mla_decoding_metadata")
     given = extra_k_cache is not None or extra_indices_in_kvcache is not None or extra_topk_length is not None
-    if softmax_scale is not None:
-        softmax_scale = V.check_scale("softmax_scale", softmax_scale)
-    elif isinstance(q, torch.Tensor) and q.dim() == 4:
-        softmax_scale = q.shape[-1] ** -0.5  # FlashMLA's default: q's head_dim
-    else:
-        softmax_scale = _DEFAULT_SCALE
+    softmax_scale = _call_scale(softmax_scale, q)
 
     if indices is None:
         _check_dense_arguments(block_table, cache_seqlens, attn_sink, topk_length, kv_format,
@@ -534,7 +529,7 @@ def _given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, records, num
     parts, scheduler = dense_tensor_plan(sched, rows=rows, h_kv=h_kv, device=device_facts(q.device))
     _check_plan_tensors(q, records, num_splits, parts, f"get_mla_decoding_metadata(cache_seqlens, {rows}, {h_kv})",
                         f"batch {b}, {rows} query rows a KV head")
-    softmax_scale = _given_scale(softmax_scale, q)
+    softmax_scale = _call_scale(softmax_scale, q)
     masked = causal and s_q > 1
     if kind == "reference":
         host_lengths = V.check_dense_values(block_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
@@ -564,7 +559,7 @@ def _sparse_given_plan(q, k_cache, block_table, cache_seqlens, head_dim_v, recor
     _check_plan_tensors(q, records, num_splits, parts,
                         f"get_mla_decoding_metadata(cache_seqlens, {s_q * h_q}, 1, {h_q}, True, {topk})",
                         f"batch {b}, s_q {s_q}, h_q {h_q}, topk {topk}")
-    softmax_scale = _given_scale(softmax_scale, q)
+    softmax_scale = _call_scale(softmax_scale, q)
     if kind == "reference":
         _check_given_plan(records, num_splits, sparse_lengths(topk, None, b), parts, scheduler, f"topk ({topk})")
         return into_out(out, reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length, attn_sink,
@@ -607,8 +602,12 @@ def _check_plan_tensors(q, records, num_splits, parts: int, hint: str, what: str
     V.check_same_device("q", q, tile_scheduler_metadata=records, num_splits=num_splits)
 
 
-def _given_scale(softmax_scale, q) -> float:
-    return q.shape[-1] ** -0.5 if softmax_scale is None else V.check_scale("softmax_scale", softmax_scale)
+def _call_scale(softmax_scale, q) -> float:
+    """The call's scale: the argument checked, else FlashMLA's default, q's head_dim ``** -0.5`` (576's for a q the
+    call's own checks will refuse)."""
+    if softmax_scale is not None:
+        return V.check_scale("softmax_scale", softmax_scale)
+    return q.shape[-1] ** -0.5 if isinstance(q, torch.Tensor) and q.dim() == 4 else _DEFAULT_SCALE
 
 
 def _check_given_plan(records, num_splits, lengths, parts: int, scheduler, what: str) -> None:
@@ -763,9 +762,10 @@ def write_kv_cache(k_cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: 
 
     On the ``cute`` backend (CUDA tensors on Hopper) this is one kernel launch that reads no value on the host, so
     a CUDA graph can capture it: a slot outside the cache (any negative one, -5 as -1, or one past its end) is
-    skipped like -1; the duplicates' rule adds a few torch operations (a sort of the slots) before it.  The ``reference``
-    backend (torch code, the CPU's, or any device's with ``backend="reference"``) reads the slots on the host and
-    raises ValueError naming slot_mapping for a slot outside the cache (a negative one other than -1 included)."""
+    skipped like -1; the duplicates' rule adds a few torch operations (a sort of the slots) before it.  The
+    ``reference`` backend (torch code, the CPU's, or any device's with ``backend="reference"``) reads the slots on
+    the host and raises ValueError naming slot_mapping for a slot outside the cache (a negative one other than -1
+    included)."""
     CACHE_WRITE(k_cache, new_rows, slot_mapping, kv_format, backend)
 
 

@@ -129,9 +129,9 @@ def check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device) -> No
 def check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache, descale_q=None,
                 descale_k=None) -> None:
     """Shapes, dtypes and devices of a dense decode call (no tensor values read).  A 16-bit q and cache share one
-    head_dim: 576 (512 latent + 64 RoPE) or 512 (no RoPE part); V is a row's first 512 features.  With ``is_fp8_kvcache`` the cache
-    is the 656-byte V3.2 one (bf16 q, one KV head, its own scales) or the per-tensor FP8 one: float8_e4m3fn
-    ``[.., 576]`` with ``descale_k``, q bf16 or float8_e4m3fn with ``descale_q``."""
+    head_dim: 576 (512 latent + 64 RoPE) or 512 (no RoPE part); V is a row's first 512 features.  With
+    ``is_fp8_kvcache`` the cache is the 656-byte V3.2 one (bf16 q, one KV head, its own scales) or the per-tensor
+    FP8 one: float8_e4m3fn ``[.., 576]`` with ``descale_k``, q bf16 or float8_e4m3fn with ``descale_q``."""
     check_tensor("q", q, dim=4, dtypes=HALF_DTYPES + (torch.float8_e4m3fn,))
     check_device("q", q)
     b, s_q, h_q, d = q.shape

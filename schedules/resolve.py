@@ -217,9 +217,9 @@ def sparse_tensor_plan(schedule: SparseDecodeSchedule, *, b: int, s_q: int, h_q:
     """(parts, the scheduler's config) of the plan ``get_mla_decoding_metadata`` makes as tensors for ``b``
     requests of ``topk`` tokens each over one cache: ``resolve_sparse``'s, a function of the shapes alone (not of
     the sink, the format or ``topk_length``)."""
-    parts = schedule.num_sm_parts or sparse_num_sm_parts_for(device.num_sms, s_q, h_q)
-    small = schedule.small_plan(b, topk, parts)
-    return parts, SchedulerConfig(*schedule.plan_policy(s_q * h_q, small), lengths="topk")
+    call = resolve_sparse(schedule, b=b, s_q=s_q, h_q=h_q, topk=topk, has_sink=False, has_topk_length=False,
+                          device=device, capturing=True)
+    return call.parts, call.scheduler
 
 
 def _sparse_kernels(schedule: SparseDecodeSchedule, s_q: int, h_q: int, has_sink: bool, has_topk_length: bool,

@@ -44,7 +44,8 @@ def _oracle(q, k, table, lengths, scale, causal):
     return out, lse
 
 
-@pytest.mark.parametrize("s_q,causal,h_q,h_kv,dtype", [(1, False, 16, 1, torch.bfloat16), (2, True, 8, 2, torch.float16),
+@pytest.mark.parametrize("s_q,causal,h_q,h_kv,dtype", [(1, False, 16, 1, torch.bfloat16),
+                                                       (2, True, 8, 2, torch.float16),
                                                        (3, True, 6, 3, torch.bfloat16)])
 def test_dense_512_matches_float64_oracle(s_q, causal, h_q, h_kv, dtype):
     q, k, table, lengths = _case(s_q=s_q, h_q=h_q, h_kv=h_kv, dtype=dtype)

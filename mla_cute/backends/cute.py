@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..device import device_facts, num_sms
+from ..fp8 import D_QK
 from ..kv_formats import BYTES_PER_TOKEN, PAGE_BLOCKED, page_rows
 from ..validation import sink_presence_error
 from ..schedules.configs import WriteCacheConfig
@@ -62,8 +63,8 @@ def query_rows(q: torch.Tensor, h_kv: int) -> torch.Tensor:
 
 
 def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool) -> None:
-    if k_cache.shape[-1] != 576 and not is_fp8_kvcache:
-        raise NotImplementedError(f"q and k_cache: the 'cute' dense kernel reads rows of 576 features, got head_dim "
+    if k_cache.shape[-1] != D_QK and not is_fp8_kvcache:
+        raise NotImplementedError(f"q and k_cache: the 'cute' dense kernel reads rows of {D_QK} features, got head_dim "
                                   f"{k_cache.shape[-1]} (backend='reference' runs it)")
     if is_fp8_kvcache:
         raise NotImplementedError("dense decode over the FP8 cache (is_fp8_kvcache=True) has no 'cute' kernel yet")

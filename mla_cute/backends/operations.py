@@ -82,8 +82,8 @@ class CacheWrite:
         check_page_layout("k_cache", k_cache, fmt)
         d = HEAD_DIM[fmt]
         if not isinstance(new_rows, torch.Tensor) or new_rows.dim() != 2 or new_rows.shape[1] != d:
-            raise ValueError(f"new_rows must be a tensor [n, {d}] for a {fmt} cache, got "
-                             f"{list(new_rows.shape) if isinstance(new_rows, torch.Tensor) else type(new_rows).__name__}")
+            got = list(new_rows.shape) if isinstance(new_rows, torch.Tensor) else type(new_rows).__name__
+            raise ValueError(f"new_rows must be a tensor [n, {d}] for a {fmt} cache, got {got}")
         if new_rows.dtype not in _HALF_IN:
             raise TypeError(f"new_rows must have dtype bfloat16, float16 or float32, got {new_rows.dtype}")
         if (not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1
@@ -115,8 +115,8 @@ class Merge:
         if r == 0:
             raise ValueError("outs must hold at least one part (R >= 1)")
         if not isinstance(lses, torch.Tensor) or tuple(lses.shape) != (r, b, h_q, s_q) or lses.dtype != torch.float32:
-            raise ValueError(f"lses must be a float32 tensor [R, b, h_q, s_q] = {[r, b, h_q, s_q]} (outs'), got "
-                             f"{(tuple(lses.shape), lses.dtype) if isinstance(lses, torch.Tensor) else type(lses).__name__}")
+            got = (tuple(lses.shape), lses.dtype) if isinstance(lses, torch.Tensor) else type(lses).__name__
+            raise ValueError(f"lses must be a float32 tensor [R, b, h_q, s_q] = {[r, b, h_q, s_q]} (outs'), got {got}")
         if lses.device != outs.device:
             raise ValueError(f"lses must be on outs' device ({outs.device}), got {lses.device}")
         if attn_sink is not None and (not isinstance(attn_sink, torch.Tensor) or tuple(attn_sink.shape) != (h_q,)

@@ -10,11 +10,10 @@ softmax merges the chunks online, so the fp32 scores are at most ``_CHUNK`` keys
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterator, Optional
 
 import torch
-
-import math
 
 from ..fp8 import D_LATENT
 from ..kv_formats import PAGE_BLOCKED, _token_bytes, format_of, gather_rows, page_rows, quantize_kv_cache
