@@ -340,7 +340,7 @@ def flash_mla_with_kvcache(
 
     Dense (``indices is None``):
         q: ``[b, s_q, h_q, 576]`` bf16 or fp16 (512 latent + 64 RoPE), or, dense with a 16-bit cache,
-            ``[b, s_q, h_q, 512]`` (no RoPE part: V is the whole row; the reference backend only).
+            ``[b, s_q, h_q, 512]`` (no RoPE part: V is the whole row).
         k_cache: ``[num_blocks, page_block_size, h_kv, 576]`` (or 512, q's head_dim), dtype of q; or, with
             ``is_fp8_kvcache=True`` (the reference backend only), ``[num_blocks, page_block_size, 1, 656]`` FP8
             rows (see ``mla_cute.fp8``) with bf16 q, or the per-tensor FP8 cache ``[.., h_kv, 576]``
@@ -826,7 +826,7 @@ def _fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens,
     dtype = "bfloat16" if q.dtype == torch.float8_e4m3fn else str(q.dtype).replace("torch.", "")
     call = resolve_dense(schedule, dtype=dtype, s_q=q.shape[1], h_q=q.shape[2],
                          h_kv=k_cache.shape[2], causal=causal, page=k_cache.shape[1], device=device_facts(q.device),
-                         host_lengths=host_lengths)
+                         host_lengths=host_lengths, d_qk=q.shape[3])
     records, splits = plan_splits(cache_seqlens, call.parts, 64, *call.scheduler.policy())
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
@@ -849,7 +849,8 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     """Compile (or load from the disk cache) the decode kernels for each configuration.
 
     Dense decode: a dict with ``dtype`` (torch.bfloat16 / torch.float16), ``s_q``, ``h_q``,
-    ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64) and ``schedule``.
+    ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64), ``d_qk`` (576 or 512; 576) and
+    ``schedule``.
     Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
     ``attn_sink`` and ``topk_length`` (False: whether calls pass one), ``kv_format`` ("V32"), ``extra_cache``
     (False: whether calls pass ``extra_k_cache``; True: one of ``kv_format``, or its format's name, e.g.
@@ -890,7 +891,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         sparse = bool(cfg.pop("sparse", False))
         required = {"s_q", "h_q"} if sparse else {"dtype", "s_q", "h_q", "h_kv"}
         allowed = required | ({"attn_sink", "topk_length", "kv_format", "extra_cache", "schedule"} if sparse
-                              else {"causal", "page_block_size", "schedule"})
+                              else {"causal", "page_block_size", "d_qk", "schedule"})
         missing = required - cfg.keys()
         if missing:
             raise ValueError(f"precompile config {i} lacks {sorted(missing)}: {cfg}")
@@ -926,8 +927,11 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         page = cfg.get("page_block_size", 64)
         if page % 64 != 0:
             raise NotImplementedError(f"precompile config {i}: page_block_size {page} is not a multiple of 64")
+        d_qk = cfg.get("d_qk", D_QK)
+        if d_qk not in (D_QK, D_LATENT) or isinstance(d_qk, bool):
+            raise ValueError(f"precompile config {i}: d_qk must be {D_QK} or {D_LATENT}, got {d_qk!r}")
         cute.precompile_dense(cfg["dtype"], cfg["s_q"], cfg["h_q"], cfg["h_kv"], bool(cfg.get("causal", False)), page,
-                              sched)
+                              sched, d_qk)
         count += 1
     return count
 

@@ -15,7 +15,6 @@ from typing import Optional
 import torch
 
 from ..device import device_facts, num_sms
-from ..fp8 import D_QK
 from ..kv_formats import BYTES_PER_TOKEN, PAGE_BLOCKED, page_rows
 from ..validation import sink_presence_error
 from ..schedules.configs import WriteCacheConfig
@@ -63,9 +62,6 @@ def query_rows(q: torch.Tensor, h_kv: int) -> torch.Tensor:
 
 
 def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool) -> None:
-    if k_cache.shape[-1] != D_QK and not is_fp8_kvcache:
-        raise NotImplementedError(f"q and k_cache: the 'cute' dense kernel reads rows of {D_QK} features, got head_dim "
-                                  f"{k_cache.shape[-1]} (backend='reference' runs it)")
     if is_fp8_kvcache:
         raise NotImplementedError("dense decode over the FP8 cache (is_fp8_kvcache=True) has no 'cute' kernel yet")
     page = k_cache.shape[1]
@@ -151,7 +147,7 @@ class DensePlan:
         # step of a plan the host does not know is loaded in any case, for a CUDA graph captured later.
         call = self.config = resolve_dense(schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=s_q, h_q=h_q,
                                            h_kv=h_kv, causal=causal, page=page, device=device_facts(q.device),
-                                           host_lengths=host_lengths)
+                                           host_lengths=host_lengths, d_qk=self.d_qk)
         # The capture step too (for a CUDA graph captured later) and the scheduler (run below): any of them that
         # are cold build at once.
         _, self.step = compile_all([(compile_dense, call.capture_step), (compile_dense, call.step),
@@ -263,16 +259,16 @@ def dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, ca
     FlashMLA does: inside CUDA graphs sharing a memory pool, the largest batch's)."""
     from ..kernels.build import compile_dense
 
-    b, s_q, h_q, _ = q.shape
+    b, s_q, h_q, d_qk = q.shape
     page, h_kv = k_cache.shape[1], k_cache.shape[2]
 
     def make():
         call = resolve_dense(schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=s_q, h_q=h_q, h_kv=h_kv,
-                             causal=causal, page=page, device=device_facts(q.device))
+                             causal=causal, page=page, device=device_facts(q.device), d_qk=d_qk)
         assert call.fill_parts == 0  # the plan of unknown lengths has no fill parts (``dense_tensor_plan``)
         return compile_dense(call.capture_step), call.parts
 
-    step, parts = _given_step(("dense", q.dtype, s_q, h_q, h_kv, causal, page, schedule, q.device), make)
+    step, parts = _given_step(("dense", q.dtype, s_q, h_q, h_kv, causal, page, schedule, q.device, d_qk), make)
     o_accum, lse_accum = _partials(b, parts, h_kv, s_q * (h_q // h_kv), q.device)
     out, lse = decode_outputs(b, s_q, h_q, q.dtype, q.device, out)
     step(query_rows(q, h_kv), k_cache, *kernel_tables(block_table, cache_seqlens), records, num_splits, out, lse,
@@ -280,13 +276,13 @@ def dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, ca
     return out, lse
 
 
-def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeSchedule) -> None:
+def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeSchedule, d_qk: int = 576) -> None:
     """Every step and scheduler a call of this configuration can resolve to (``dense_precompile_steps``)."""
     from ..kernels.build import compile_all, compile_dense, compile_scheduler
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     steps = dense_precompile_steps(schedule, dtype=str(dtype).replace("torch.", ""), s_q=s_q, h_q=h_q, h_kv=h_kv,
-                                   causal=causal, page=page, device=device_facts(device))
+                                   causal=causal, page=page, device=device_facts(device), d_qk=d_qk)
     compile_all([(compile_dense, step) for step, _ in steps] + [(compile_scheduler, sched) for _, sched in steps])
 
 
