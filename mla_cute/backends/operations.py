@@ -2,7 +2,8 @@
 stated here once), then the ``reference`` backend's torch code (``reference.py``, the specification) or the
 ``cute`` backend's kernels (``cute.py``: resolve, compile, launch).  The public functions are thin adapters over
 them (``api.flash_mla_sparse_fwd``, ``api.write_kv_cache``, ``distributed.merge_partial_attention``).  Decode's
-calls (``api.flash_mla_with_kvcache``) keep their path in ``api.py`` with the metadata object they fill.
+two (``DenseDecode``, ``SparseDecode``, behind ``api.flash_mla_with_kvcache``) are in ``decode.py``, beside the
+metadata object they fill (``metadata.py``).
 
   SparsePrefill  sparse prefill over bf16 rows or the paged FP8 cache (``kernels/sparse_prefill.py``, or the
                  sparse decode kernel serving each query token whole)
