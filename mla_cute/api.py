@@ -156,7 +156,11 @@ def flash_mla_with_kvcache(
             (an int, a numpy number or a 0-dim tensor is read with ``float()``; a bool is refused).
         causal: a bool (a numpy bool too; an int such as 1 is refused).
         is_fp8_kvcache: None (the default) means ``indices is not None``, as in FlashMLA's Hopper build.
-        enable_batch_invariant: must be False (a request's result independent of its batch is not built yet).
+        enable_batch_invariant: True: a request's out and lse are bit-identical whatever batch it is in and
+            whatever the other requests' lengths.  Split-KV is kept: each request is cut into pieces by its own
+            length alone (the schedule's ``invariant_piece_blocks`` / ``invariant_max_pieces``), one part each, and
+            every batch size runs the same kernels (docs/api.md, "Batch invariance").  With a metadata object only
+            (not get_mla_decoding_metadata's tensors); the object keeps the choice of its first call.
         use_legacy: accepted (a bool) and ignored: FlashMLA's Hopper build selects its SM90 kernels with it;
             mla-cute has only those.
         descale_q, descale_k: float32 ``[1]`` for the per-tensor FP8 cache (true value = stored x descale);
@@ -186,6 +190,7 @@ def flash_mla_with_kvcache(
         is_fp8_kvcache = indices is not None
     if enable_batch_invariant is not False or use_legacy is not False:
         _check_hopper_build_arguments(enable_batch_invariant, use_legacy)
+    invariant = enable_batch_invariant is True
     if out is not None and isinstance(q, torch.Tensor) and q.dim() == 4 and q.dtype in _Q_DTYPES:
         # Once a call, replays included (a q this skips fails its own check before any launch; head_dim_v too).
         # An FP8 q (the per-tensor FP8 cache) gives a bf16 out.
@@ -211,16 +216,20 @@ def flash_mla_with_kvcache(
         if (indices is None and attn_sink is None and topk_length is None and kv_format is None
                 and extra_k_cache is None and extra_indices_in_kvcache is None and extra_topk_length is None):
             done = DENSE_DECODE.replay(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
-                                       causal, is_fp8_kvcache, schedule, backend, out)
+                                       causal, is_fp8_kvcache, schedule, backend, out, invariant)
         else:
             done = SPARSE_DECODE.replay(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
                                         causal, is_fp8_kvcache, indices, attn_sink, topk_length, kv_format, schedule,
-                                        backend, extra, out)
+                                        backend, extra, out, invariant)
         if done is not None:
             return done
     given_plan = isinstance(meta, torch.Tensor) or (
         isinstance(num_splits, torch.Tensor) and not isinstance(meta, FlashMLASchedMeta))
     if given_plan:  # the plan as tensors (get_mla_decoding_metadata)
+        if invariant:
+            raise ValueError("enable_batch_invariant=True plans each request by its own length on the call: pass "
+                             "a FlashMLASchedMeta from get_mla_metadata() as tile_scheduler_metadata (and "
+                             "num_splits None), not get_mla_decoding_metadata's tensors")
         if indices is None:
             DENSE_DECODE.check(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache, descales,
                                (attn_sink, topk_length, kv_format, *extra))
@@ -239,12 +248,12 @@ def flash_mla_with_kvcache(
         DENSE_DECODE.check(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache, descales,
                            (attn_sink, topk_length, kv_format, *extra))
         return DENSE_DECODE(select_backend(q.device, backend), meta, capture, q, k_cache, block_table, cache_seqlens,
-                            head_dim_v, softmax_scale, causal, is_fp8_kvcache, descales, schedule, out)
+                            head_dim_v, softmax_scale, causal, is_fp8_kvcache, descales, schedule, out, invariant)
     formats = SPARSE_DECODE.check(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink, head_dim_v,
                                   is_fp8_kvcache, causal, kv_format, extra, descales)
     return SPARSE_DECODE(select_backend(q.device, backend), meta, capture, q, k_cache, block_table, cache_seqlens,
                          head_dim_v, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length,
-                         kv_format, extra, formats, schedule, out)
+                         kv_format, extra, formats, schedule, out, invariant)
 
 
 @without_function_modes
@@ -320,12 +329,12 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     """Compile (or load from the disk cache) the decode kernels for each configuration.
 
     Dense decode: a dict with ``dtype`` (torch.bfloat16 / torch.float16), ``s_q``, ``h_q``,
-    ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64), ``d_qk`` (576 or 512; 576) and
-    ``schedule``.
+    ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64), ``d_qk`` (576 or 512; 576),
+    ``batch_invariant`` (False: the kernels of ``enable_batch_invariant=True`` calls) and ``schedule``.
     Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
     ``attn_sink`` and ``topk_length`` (False: whether calls pass one), ``kv_format`` ("V32"), ``extra_cache``
     (False: whether calls pass ``extra_k_cache``; True: one of ``kv_format``, or its format's name, e.g.
-    "V41_FP4") and ``schedule``.
+    "V41_FP4"), ``batch_invariant`` (False) and ``schedule``.
     The cache writer (:func:`write_kv_cache`): a dict with ``write_cache=True`` and optionally ``kv_format``
     ("V32"), ``dtype`` (the rows', torch.bfloat16) and ``slot_dtype`` (torch.int64); one kernel each.
     Sparse prefill (:func:`flash_mla_sparse_fwd`): a dict with ``prefill=True``, ``h_q`` and optionally
@@ -361,8 +370,8 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
             continue
         sparse = bool(cfg.pop("sparse", False))
         required = {"s_q", "h_q"} if sparse else {"dtype", "s_q", "h_q", "h_kv"}
-        allowed = required | ({"attn_sink", "topk_length", "kv_format", "extra_cache", "schedule"} if sparse
-                              else {"causal", "page_block_size", "d_qk", "schedule"})
+        allowed = required | {"schedule", "batch_invariant"} | ({"attn_sink", "topk_length", "kv_format", "extra_cache"}
+                                                                if sparse else {"causal", "page_block_size", "d_qk"})
         missing = required - cfg.keys()
         if missing:
             raise ValueError(f"precompile config {i} lacks {sorted(missing)}: {cfg}")
@@ -372,6 +381,9 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         for key in ("s_q", "h_q") + (() if sparse else ("h_kv",)):
             if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
                 raise ValueError(f"precompile config {i}: {key} must be an int >= 1, got {cfg[key]!r}")
+        invariant = cfg.get("batch_invariant", False)
+        if type(invariant) is not bool:
+            raise TypeError(f"precompile config {i}: batch_invariant must be a bool, got {V.type_name(invariant)}")
         kind = SparseDecodeSchedule if sparse else DenseDecodeSchedule
         default = schedule if isinstance(schedule, kind) else None
         sched = _resolve_schedule(cfg.get("schedule", default), kind)
@@ -388,7 +400,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
                                  f"({sorted(HEAD_DIM)}), got {extra!r}")
             check_extra_format(fmt, extra, f"precompile config {i}: extra_cache")
             cute.precompile_sparse(cfg["s_q"], cfg["h_q"], bool(cfg.get("attn_sink", False)), sched,
-                                   bool(cfg.get("topk_length", False)), fmt, extra)
+                                   bool(cfg.get("topk_length", False)), fmt, extra, invariant)
             count += 1
             continue
         if cfg["dtype"] not in V.HALF_DTYPES:
@@ -402,7 +414,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         if d_qk not in (D_QK, D_LATENT) or isinstance(d_qk, bool):
             raise ValueError(f"precompile config {i}: d_qk must be {D_QK} or {D_LATENT}, got {d_qk!r}")
         cute.precompile_dense(cfg["dtype"], cfg["s_q"], cfg["h_q"], cfg["h_kv"], bool(cfg.get("causal", False)), page,
-                              sched, d_qk)
+                              sched, d_qk, invariant)
         count += 1
     return count
 
@@ -465,10 +477,8 @@ def _refuse_across_capture(capturing: bool) -> None:
 
 def _check_hopper_build_arguments(enable_batch_invariant, use_legacy) -> None:
     """The arguments of FlashMLA's Hopper build beyond the upstream interface: ``use_legacy`` a bool (ignored),
-    ``enable_batch_invariant`` refused until its kernels exist."""
+    ``enable_batch_invariant`` a bool."""
     if type(use_legacy) is not bool:
         raise TypeError(f"use_legacy must be a bool, got {V.type_name(use_legacy)}")
     if type(enable_batch_invariant) is not bool:
         raise TypeError(f"enable_batch_invariant must be a bool, got {V.type_name(enable_batch_invariant)}")
-    if enable_batch_invariant:
-        raise NotImplementedError("enable_batch_invariant=True: batch-invariant decode is not built yet; pass False")

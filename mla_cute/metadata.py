@@ -37,6 +37,7 @@ class FlashMLASchedMeta:
         extra_kv_format: Optional[str] = None  # sparse: the extra cache's format
         head_dim: Optional[int] = None  # dense: q's and the cache's head_dim (576 or 512; a kernel each)
         dtype: Optional[torch.dtype] = None  # dense: q's dtype (a kernel each)
+        batch_invariant: bool = False  # enable_batch_invariant: the plan that cuts each request by its own length
 
     have_initialized: bool = False
     config: Optional[Config] = None

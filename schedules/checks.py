@@ -22,3 +22,12 @@ def check_split_policy(schedule) -> None:
 
 def check_combine(schedule) -> None:
     check_counts(schedule, "combine_chunked_batch", "combine_spread_partials")
+
+
+def check_invariant(schedule) -> None:
+    """``invariant_piece_blocks`` and ``invariant_max_pieces``: the batch-invariant plan's piece size and count,
+    ints >= 1."""
+    for name in ("invariant_piece_blocks", "invariant_max_pieces"):
+        value = getattr(schedule, name)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")

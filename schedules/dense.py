@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .checks import check_combine, check_counts, check_split_policy
+from .checks import check_combine, check_counts, check_invariant, check_split_policy
 from .planner import FILL_SHARE_ONE, split_policy
 
 
@@ -38,6 +38,10 @@ class DenseDecodeSchedule:
         one CTA each (few rows, many partials a row); 0: never.
     combine_spread_partials: in those batches, requests spanning at least this many parts (parts / b) merge a
         chunk on 8 warps instead of one; 0: never.
+    invariant_piece_blocks, invariant_max_pieces: with ``enable_batch_invariant=True`` a request of ``t``
+        64-token tiles is split into ``clamp(ceil(t / invariant_piece_blocks), 1, invariant_max_pieces)`` equal
+        pieces, one part each, whatever the batch (``planner.invariant_plan``); the workspace holds
+        ``invariant_max_pieces`` partials a request (fewer where the block table covers fewer tiles).
     """
 
     num_sm_parts: Optional[int] = None
@@ -49,6 +53,8 @@ class DenseDecodeSchedule:
     idle_sm_fill_share: int = 11
     combine_chunked_batch: int = 4
     combine_spread_partials: int = 48
+    invariant_piece_blocks: int = 32
+    invariant_max_pieces: int = 8
 
     def plan_policy(self, rows_per_kv_head: int) -> tuple[int, int, int]:
         """The planner's (``fixed_cost``, ``unsplit_slack``, ``even_split_slack``) in blocks for a KV head with
@@ -63,6 +69,7 @@ class DenseDecodeSchedule:
             raise ValueError(f"idle_sm_fill_share must be an int from 1 to {FILL_SHARE_ONE} (sixteenths of a "
                              f"part's blocks), got {self.idle_sm_fill_share!r}")
         check_combine(self)
+        check_invariant(self)
 
 
 DEFAULT_DENSE_SCHEDULE = DenseDecodeSchedule()

@@ -38,6 +38,13 @@ One record per part, 8 x int32 (``RECORD_FIELDS``):
   is_first_req_split, is_last_req_split, pad.
 A part with begin_req > end_req has no work.
 ``num_splits`` is the prefix sum over requests of their split counts ([b + 1]).
+
+Batch-invariant plans (``invariant_plan``, ours): a request's pieces are a function of its own length only, so
+its result is bit-identical whatever batch it is in.  A request of ``t`` tiles is cut into ``m = clamp(ceil(t /
+piece_blocks), 1, max_pieces)`` pieces, piece ``k`` the tiles ``[k * t // m, (k + 1) * t // m)``, each alone on
+a part of its own; the plan has ``b * pieces_bound`` parts (request ``r``'s piece ``k`` is part ``r *
+pieces_bound + k``; parts past a request's pieces are idle).  Torch operations on the lengths' device, no host
+read: a CUDA graph captures them and every replay plans the lengths it finds.
 """
 
 from __future__ import annotations
@@ -91,7 +98,13 @@ def scheduler_lengths(kind: str, lens, max_len: int, extra=None, extra_max: int 
     from the tensors it reads, on the host: "dense" ``lens`` within [0, max_len]; "topk" within [1, max_len];
     "two_caches" the main tokens (within [0, max_len]) in whole 64-token tiles plus ``extra`` within [0,
     extra_max], at least 1."""
-    lens = lens.detach().cpu().long()
+    return served_lengths(kind, lens.detach().cpu(), max_len, None if extra is None else extra.detach().cpu(),
+                          extra_max)
+
+
+def served_lengths(kind: str, lens, max_len: int, extra=None, extra_max: int = 0) -> torch.Tensor:
+    """``scheduler_lengths`` on the lengths' own device (int64): torch operations, no host read."""
+    lens = lens.long()
     if kind == "dense":
         return lens.clamp(0, max_len)
     if kind == "topk":
@@ -99,7 +112,7 @@ def scheduler_lengths(kind: str, lens, max_len: int, extra=None, extra_max: int 
     if kind != "two_caches":
         raise ValueError(f"kind must be 'dense', 'topk' or 'two_caches', got {kind!r}")
     main = (lens.clamp(0, max_len) + 63) // 64 * 64
-    return (main + extra.detach().cpu().long().clamp(0, extra_max)).clamp(min=1)
+    return (main + extra.long().clamp(0, extra_max)).clamp(min=1)
 
 
 def sparse_lengths(topk: int, topk_length, b: int) -> torch.Tensor:
@@ -109,6 +122,40 @@ def sparse_lengths(topk: int, topk_length, b: int) -> torch.Tensor:
 
     lens = torch.full((b,), topk, dtype=torch.int64) if topk_length is None else topk_length.detach().cpu().long()
     return lens.clamp(1, topk)
+
+
+def invariant_pieces(tiles: int, piece_blocks: int, max_pieces: int) -> int:
+    """The pieces of a request of ``tiles`` 64-token tiles in a batch-invariant plan (``invariant_plan``)."""
+    return min(max(-(-tiles // piece_blocks), 1), max_pieces)
+
+
+def invariant_plan(lengths: torch.Tensor, piece_blocks: int, max_pieces: int, pieces_bound: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch-invariant plan (module docstring) over ``lengths``, int ``[b]`` tokens as the kernel serves them
+    (``served_lengths``): records int32 ``[b * pieces_bound, 8]`` and ``num_splits`` int32 ``[b + 1]`` on the
+    lengths' device.  ``pieces_bound`` (at most ``max_pieces``) must be at least the pieces of every request
+    the call can hold (a shape fact: its longest request's)."""
+    import torch
+
+    if not 1 <= pieces_bound <= max_pieces or piece_blocks < 1:
+        raise ValueError(f"invariant_plan needs 1 <= pieces_bound ({pieces_bound}) <= max_pieces ({max_pieces}) "
+                         f"and piece_blocks ({piece_blocks}) >= 1")
+    b, device = lengths.shape[0], lengths.device
+    tiles = (lengths.long().clamp(min=0) + 63) // 64
+    pieces = ((tiles + piece_blocks - 1) // piece_blocks).clamp(1, pieces_bound)[:, None]  # [b, 1]
+    k = torch.arange(pieces_bound, device=device)[None, :]  # [1, bound]
+    used = k < pieces
+    req = torch.arange(b, device=device)[:, None].expand(b, pieces_bound)
+    split = (pieces > 1) & used
+    zero = torch.zeros_like(used, dtype=torch.long)
+    records = torch.stack([
+        torch.where(used, req, b), torch.where(used, req, b - 1),  # an idle part: begin_req > end_req
+        torch.where(used, k * tiles[:, None] // pieces, 0), torch.where(used, (k + 1) * tiles[:, None] // pieces, 0),
+        torch.where(used, k, 0), split.long(), split.long(), zero,
+    ], dim=-1)
+    num_splits = torch.zeros(b + 1, dtype=torch.long, device=device)
+    num_splits[1:] = torch.cumsum(pieces[:, 0], 0)
+    return records.view(b * pieces_bound, RECORD_SIZE).int(), num_splits.int()
 
 
 # A record's end block that never cuts its last request (``whole_token_plan``).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .checks import check_combine, check_counts, check_split_policy
+from .checks import check_combine, check_counts, check_invariant, check_split_policy
 from .planner import split_policy
 
 
@@ -25,6 +25,8 @@ class SparseDecodeSchedule:
         writes 16-bit partials and keeps every producer warp on every tile.  0: never.
     small_plan_fixed_cost: the planner's fixed cost per request piece for small plans.
     combine_chunked_batch, combine_spread_partials: as for dense decode.
+    invariant_piece_blocks, invariant_max_pieces: as for dense decode, over a request's tiles (topk's, or both
+        caches'); the workspace holds at most ``ceil(tiles / invariant_piece_blocks)`` partials a request.
     """
 
     num_sm_parts: Optional[int] = None
@@ -35,6 +37,8 @@ class SparseDecodeSchedule:
     small_plan_fixed_cost: int = 1
     combine_chunked_batch: int = 4
     combine_spread_partials: int = 48
+    invariant_piece_blocks: int = 8
+    invariant_max_pieces: int = 4
 
     def small_plan(self, b: int, topk: int, parts: int) -> bool:
         """Whether ``b`` requests of ``topk`` tokens over ``parts`` parts make a small plan (``small_plan_tiles``):
@@ -54,6 +58,7 @@ class SparseDecodeSchedule:
         check_split_policy(self)
         check_counts(self, "small_plan_tiles", "small_plan_fixed_cost")
         check_combine(self)
+        check_invariant(self)
 
 
 DEFAULT_SPARSE_SCHEDULE = SparseDecodeSchedule()

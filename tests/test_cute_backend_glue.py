@@ -465,10 +465,12 @@ def test_schedule_fields_are_user_intent():
     assert DenseDecodeSchedule() == DEFAULT_DENSE_SCHEDULE and SparseDecodeSchedule() == DEFAULT_SPARSE_SCHEDULE
     assert [f.name for f in dataclasses.fields(DenseDecodeSchedule)] == [
         "num_sm_parts", "split_fixed_cost", "unsplit_slack", "even_split_slack", "evict_first_tiles",
-        "quad_multicast_tiles", "idle_sm_fill_share", "combine_chunked_batch", "combine_spread_partials"]
+        "quad_multicast_tiles", "idle_sm_fill_share", "combine_chunked_batch", "combine_spread_partials",
+        "invariant_piece_blocks", "invariant_max_pieces"]
     assert [f.name for f in dataclasses.fields(SparseDecodeSchedule)] == [
         "num_sm_parts", "split_fixed_cost", "unsplit_slack", "even_split_slack", "small_plan_tiles",
-        "small_plan_fixed_cost", "combine_chunked_batch", "combine_spread_partials"]
+        "small_plan_fixed_cost", "combine_chunked_batch", "combine_spread_partials", "invariant_piece_blocks",
+        "invariant_max_pieces"]
     DEFAULT_DENSE_SCHEDULE.validate()
     DEFAULT_SPARSE_SCHEDULE.validate()
 

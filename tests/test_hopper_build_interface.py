@@ -48,7 +48,6 @@ def test_is_fp8_kvcache_none_follows_indices():
 
 
 @pytest.mark.parametrize("kw,error,match", [
-    (dict(enable_batch_invariant=True), NotImplementedError, "enable_batch_invariant"),
     (dict(enable_batch_invariant=1), TypeError, "enable_batch_invariant must be a bool"),
     (dict(use_legacy=1), TypeError, "use_legacy must be a bool"),
     (dict(descale_q=torch.ones(1)), ValueError, "descale_q applies to dense decode"),

@@ -19,8 +19,9 @@ from ..kv_formats import BYTES_PER_TOKEN, PAGE_BLOCKED, page_rows
 from ..validation import sink_presence_error
 from ..schedules.configs import WriteCacheConfig
 from ..schedules.dense import DenseDecodeSchedule
-from ..schedules.planner import whole_token_plan
-from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, dense_tensor_plan, resolve_dense, resolve_sparse,
+from ..schedules.planner import invariant_plan, served_lengths, whole_token_plan
+from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, dense_tensor_plan, resolve_dense,
+                                resolve_dense_invariant, resolve_sparse, resolve_sparse_invariant,
                                 resolve_sparse_prefill, resolve_sparse_prefill_fp8, sparse_precompile_steps,
                                 sparse_prefill_precompile_configs, sparse_tensor_plan)
 from ..schedules.sparse import SparseDecodeSchedule
@@ -132,16 +133,20 @@ class DensePlan:
     and the facts (``replay_plan``) and q row shape of the last call that passed every check."""
 
     __slots__ = ("schedule", "config", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "h_kv", "dtype", "facts",
-                 "q_rows", "records", "d_qk")
+                 "q_rows", "records", "d_qk", "invariant")
 
     def __init__(self, q, k_cache, block_table, causal, schedule: DenseDecodeSchedule, meta, cache_seqlens,
-                 host_lengths):
+                 host_lengths, invariant: bool = False):
         from ..kernels.build import compile_all, compile_dense, compile_scheduler
 
         b, s_q, h_q, self.d_qk = q.shape
         page, h_kv = k_cache.shape[1], k_cache.shape[2]
         self.schedule, self.b, self.s_q, self.h_q, self.h_kv, self.dtype = schedule, b, s_q, h_q, h_kv, q.dtype
         self.facts = self.q_rows = None
+        self.invariant = invariant
+        if invariant:
+            self._plan_invariant(q, block_table, causal, page, meta, cache_seqlens)
+            return
         # With the lengths on the host (``host_lengths``, read by the first call's value checks; None inside a
         # capture) the resolver knows the plan: its cluster size, loads and whether it splits a request.  The
         # step of a plan the host does not know is loaded in any case, for a CUDA graph captured later.
@@ -160,16 +165,37 @@ class DensePlan:
         clusters = call.parts - call.fill_parts
         self.records = (sched[:clusters], sched[clusters:]) if call.fill_parts else (sched,)
 
+    def _plan_invariant(self, q, block_table, causal, page, meta, cache_seqlens):
+        """The batch-invariant plan (``enable_batch_invariant=True``): one step for every batch, each request cut
+        by its own length (``planner.invariant_plan``, torch operations on the lengths' device)."""
+        from ..kernels.build import compile_dense
+
+        max_len = block_table.shape[1] * page
+        call = self.config = resolve_dense_invariant(
+            self.schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=self.s_q, h_q=self.h_q, h_kv=self.h_kv,
+            causal=causal, page=page, table_tiles=-(-max_len // 64), device=device_facts(q.device), d_qk=self.d_qk)
+        self.step = compile_dense(call.step)
+        meta.tile_scheduler_metadata, meta.num_splits = invariant_plan(
+            served_lengths("dense", cache_seqlens, max_len), call.piece_blocks, call.max_pieces, call.pieces_bound)
+        self.o_accum, self.lse_accum = _invariant_partials(self.b, call.pieces_bound, self.h_kv,
+                                                           self.s_q * (self.h_q // self.h_kv), q.device)
+        self.records = (meta.tile_scheduler_metadata,)
+
+
+def _invariant_partials(b: int, pieces_bound: int, h_kv: int, rows: int, device):
+    """A batch-invariant plan's partials: at most ``pieces_bound`` a request (fp32)."""
+    return _partials(b, b * (pieces_bound - 1), h_kv, rows, device)
+
 
 def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, meta, first,
-                 schedule: DenseDecodeSchedule, host_lengths=None, out=None):
+                 schedule: DenseDecodeSchedule, host_lengths=None, out=None, invariant: bool = False):
     """``host_lengths``: ``cache_seqlens`` on the host when the caller has read them (a new plan then
-    leaves out the combine if it splits no request), else None."""
+    leaves out the combine if it splits no request), else None.  ``invariant``: the batch-invariant plan."""
     block_table, cache_seqlens = kernel_tables(block_table, cache_seqlens)
     plan = _reused_plan(meta, "dense", first, schedule)
     if plan is None:
         plan = meta._state["dense"] = DensePlan(q, k_cache, block_table, causal, schedule, meta, cache_seqlens,
-                                                host_lengths)
+                                                host_lengths, invariant)
     rows = query_rows(q, plan.h_kv)
     # With one KV head the rows are a plain view of q when the strides allow (same storage): a
     # replay of this call (``replay_plan``) then only re-views.  Grouped heads reorder, so they
@@ -276,11 +302,18 @@ def dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, ca
     return out, lse
 
 
-def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeSchedule, d_qk: int = 576) -> None:
-    """Every step and scheduler a call of this configuration can resolve to (``dense_precompile_steps``)."""
+def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeSchedule, d_qk: int = 576,
+                     invariant: bool = False) -> None:
+    """Every step and scheduler a call of this configuration can resolve to (``dense_precompile_steps``; with
+    ``invariant``, the one step of ``enable_batch_invariant=True``)."""
     from ..kernels.build import compile_all, compile_dense, compile_scheduler
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if invariant:
+        compile_dense(resolve_dense_invariant(schedule, dtype=str(dtype).replace("torch.", ""), s_q=s_q, h_q=h_q,
+                                              h_kv=h_kv, causal=causal, page=page, table_tiles=1,
+                                              device=device_facts(device), d_qk=d_qk).step)
+        return
     steps = dense_precompile_steps(schedule, dtype=str(dtype).replace("torch.", ""), s_q=s_q, h_q=h_q, h_kv=h_kv,
                                    causal=causal, page=page, device=device_facts(device), d_qk=d_qk)
     compile_all([(compile_dense, step) for step, _ in steps] + [(compile_scheduler, sched) for _, sched in steps])
@@ -397,15 +430,15 @@ class SparsePlan:
     holds the lengths the kernel reads for a cache whose lengths the call leaves out (its topk each)."""
 
     __slots__ = ("schedule", "config", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype", "facts",
-                 "kv_format", "extra_format", "full")
+                 "kv_format", "extra_format", "full", "invariant")
 
     def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta,
-                 kv_format: str = "V32", extra=None):
+                 kv_format: str = "V32", extra=None, invariant: bool = False):
         from ..kernels.build import compile_all, compile_scheduler, compile_sparse
 
         b, s_q, h_q, _ = q.shape
         self.schedule, self.b, self.s_q, self.h_q, self.has_sink, self.dtype = schedule, b, s_q, h_q, has_sink, q.dtype
-        self.facts, self.kv_format, self.full = None, kv_format, None
+        self.facts, self.kv_format, self.full, self.invariant = None, kv_format, None, invariant
         self.extra_format = extra[1] if extra is not None else None
         # Without topk_length every request has topk tokens: the kernel is built for that and loads no length
         # (the first call's choice holds for the metadata's later calls, as for attn_sink).  The step with the
@@ -424,6 +457,17 @@ class SparsePlan:
             total = -(-topk // 64) * 64 + extra_topk
             self.full = (full_lengths(b, topk, q.device, capturing), full_lengths(b, extra_topk, q.device, capturing))
             main, more = self.lengths(topk_length, extra[3])
+        if invariant:  # one step for every batch, each request cut by its own length (``planner.invariant_plan``)
+            inv = self.config = resolve_sparse_invariant(
+                schedule, s_q=s_q, h_q=h_q, topk=total, has_sink=has_sink, has_topk_length=given or extra is not None,
+                kv_format=kv_format, extra_cache=extra[1] if extra is not None else "")
+            self.step = compile_sparse(inv.step)
+            lengths = (served_lengths("topk", main, topk) if extra is None
+                       else served_lengths("two_caches", main, topk, more, extra_topk))
+            meta.tile_scheduler_metadata, meta.num_splits = invariant_plan(lengths, inv.piece_blocks, inv.max_pieces,
+                                                                           inv.pieces_bound)
+            self.o_accum, self.lse_accum = _invariant_partials(b, inv.pieces_bound, 1, s_q * h_q, q.device)
+            return
         call = self.config = resolve_sparse(
             schedule, b=b, s_q=s_q, h_q=h_q, topk=total, has_sink=has_sink, has_topk_length=given or extra is not None,
             device=device_facts(q.device), capturing=capturing, kv_format=kv_format,
@@ -469,13 +513,15 @@ def full_lengths(b: int, value: int, device, capturing: bool) -> torch.Tensor:
 
 
 def sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
-                  schedule: SparseDecodeSchedule, kv_format: str = "V32", extra=None, out=None):
-    """``extra``: (extra_k_cache, its format, extra_indices_in_kvcache, extra_topk_length), or None."""
+                  schedule: SparseDecodeSchedule, kv_format: str = "V32", extra=None, out=None,
+                  invariant: bool = False):
+    """``extra``: (extra_k_cache, its format, extra_indices_in_kvcache, extra_topk_length), or None.
+    ``invariant``: the batch-invariant plan."""
     has_sink = attn_sink is not None
     plan = _reused_plan(meta, "sparse", first, schedule)
     if plan is None:
         plan = meta._state["sparse"] = SparsePlan(q, indices.shape[-1], topk_length, has_sink, schedule, meta,
-                                                  kv_format, extra)
+                                                  kv_format, extra, invariant)
     elif plan.has_sink != has_sink:
         raise sink_presence_error(plan.has_sink)
     return launch_sparse(plan, q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, extra, out)
@@ -580,11 +626,17 @@ def replay_sparse_plan(meta, q, k_cache, indices, topk_length, attn_sink, block_
 
 
 def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_topk_length: bool = False,
-                      kv_format: str = "V32", extra_cache: str = "") -> None:
-    """Every step and scheduler a sparse call of this configuration can resolve to (``sparse_precompile_steps``);
-    ``extra_cache``: the extra cache's format ("": none)."""
+                      kv_format: str = "V32", extra_cache: str = "", invariant: bool = False) -> None:
+    """Every step and scheduler a sparse call of this configuration can resolve to (``sparse_precompile_steps``;
+    with ``invariant``, the one step of ``enable_batch_invariant=True``); ``extra_cache``: the extra cache's format
+    ("": none)."""
     from ..kernels.build import compile_all, compile_scheduler, compile_sparse
 
+    if invariant:
+        compile_sparse(resolve_sparse_invariant(schedule, s_q=s_q, h_q=h_q, topk=64, has_sink=has_sink,
+                                                has_topk_length=has_topk_length or bool(extra_cache),
+                                                kv_format=kv_format, extra_cache=extra_cache).step)
+        return
     steps = sparse_precompile_steps(schedule, s_q=s_q, h_q=h_q, has_sink=has_sink, has_topk_length=has_topk_length,
                                     kv_format=kv_format, extra_cache=extra_cache)
     compile_all([(compile_sparse, step) for step, _ in steps] + [(compile_scheduler, sched) for _, sched in steps])

@@ -22,8 +22,9 @@ from ..device import device_facts
 from ..fp8 import D_QK, dequantize_kv_cache
 from ..metadata import FlashMLASchedMeta, bind_metadata, check_metadata, lengths_key, unbind_on_error
 from ..schedules import (DEFAULT_DENSE_SCHEDULE, DEFAULT_SPARSE_SCHEDULE, DenseDecodeSchedule, SparseDecodeSchedule,
-                         dense_tensor_plan, plan_splits, resolve_dense, resolve_sparse, sparse_lengths,
+                         dense_tensor_plan, invariant_plan, plan_splits, resolve_dense, resolve_sparse, sparse_lengths,
                          sparse_tensor_plan)
+from ..schedules.planner import invariant_pieces, served_lengths
 from . import cute, reference
 from .operations import into_out
 
@@ -154,15 +155,17 @@ class DenseDecode:
         V.check_dense(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache, *descales)
 
     def __call__(self, kind: str, meta, capture: tuple, q, k_cache, block_table, cache_seqlens, head_dim_v,
-                 softmax_scale: float, causal: bool, is_fp8_kvcache: bool, descales, schedule, out):
+                 softmax_scale: float, causal: bool, is_fp8_kvcache: bool, descales, schedule, out,
+                 invariant: bool = False):
         """A checked call (``check`` passed; ``kind`` the backend) with a metadata object: bound on its first call
-        (``capture``: (capturing, capture id)), checked against it on later ones."""
+        (``capture``: (capturing, capture id)), checked against it on later ones.  ``invariant``:
+        ``enable_batch_invariant`` (the reference computes each request alone in any case)."""
         sched = resolve_schedule(schedule, DenseDecodeSchedule)
         if kind == "cute":
             cute.check_supported(k_cache, is_fp8_kvcache)
         config = FlashMLASchedMeta.Config(
             q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2],
-            causal, is_fp8_kvcache, None, head_dim=q.shape[3], dtype=q.dtype,
+            causal, is_fp8_kvcache, None, head_dim=q.shape[3], dtype=q.dtype, batch_invariant=invariant,
         )
         first = check_metadata(meta, config, cache_seqlens)
         host_lengths = None  # read by the value checks; not inside a CUDA graph capture
@@ -174,11 +177,12 @@ class DenseDecode:
         with unbind_on_error(meta, first):
             if kind == "reference":
                 if first:
-                    fill_reference_metadata(meta, q, k_cache, cache_seqlens, masked, sched, host_lengths)
+                    fill_reference_metadata(meta, q, k_cache, block_table, cache_seqlens, masked, sched, host_lengths,
+                                            invariant)
                 return into_out(out, self.reference(q, k_cache, block_table, cache_seqlens, softmax_scale, masked,
                                                     head_dim_v, is_fp8_kvcache, *descales))
             out, lse = cute.dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, meta, first,
-                                         sched, host_lengths, out)
+                                         sched, host_lengths, out, invariant)
         # The facts hold the argument as given (the replay compares it), not the mask.
         meta._replay = cute.replay_plan(meta, q, k_cache, block_table, head_dim_v, causal, is_fp8_kvcache)
         return out, lse
@@ -200,15 +204,15 @@ class DenseDecode:
 
     @staticmethod
     def replay(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
-               schedule, backend, out=None):
+               schedule, backend, out=None, invariant: bool = False):
         """The launch of a call whose every checked fact matches the last call that passed all checks.
 
         Returns None (the full path then checks and reports) when anything differs: a tensor's shape,
         strides, dtype, device or 16-byte alignment, the lengths tensor or its version, the schedule,
-        the scale, or the backend (argument or environment).
+        the scale, ``enable_batch_invariant``, or the backend (argument or environment).
         """
         plan = meta._replay
-        if not isinstance(plan, cute.DensePlan):
+        if not isinstance(plan, cute.DensePlan) or plan.invariant is not invariant:
             return None
         # Equal facts (checked below, before any launch) make q's head_dim the plan's.
         scale = _replay_scale(softmax_scale, plan.d_qk ** -0.5)
@@ -267,9 +271,16 @@ class DenseDecode:
         return records.to(device), splits.to(device)
 
 
-def fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, cache_seqlens, causal, schedule,
-                            host_lengths) -> None:
+def fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, block_table, cache_seqlens, causal, schedule,
+                            host_lengths, invariant: bool = False) -> None:
     """Give reference users the same metadata tensors the kernels would use."""
+    if invariant:
+        max_len = block_table.shape[1] * k_cache.shape[1]
+        bound = invariant_pieces(-(-max_len // 64), schedule.invariant_piece_blocks, schedule.invariant_max_pieces)
+        meta.tile_scheduler_metadata, meta.num_splits = invariant_plan(
+            served_lengths("dense", cache_seqlens, max_len), schedule.invariant_piece_blocks,
+            schedule.invariant_max_pieces, bound)
+        return
     dtype = "bfloat16" if q.dtype == torch.float8_e4m3fn else str(q.dtype).replace("torch.", "")
     call = resolve_dense(schedule, dtype=dtype, s_q=q.shape[1], h_q=q.shape[2],
                          h_kv=k_cache.shape[2], causal=causal, page=k_cache.shape[1], device=device_facts(q.device),
@@ -296,9 +307,10 @@ class SparseDecode:
 
     def __call__(self, kind: str, meta, capture: tuple, q, k_cache, block_table, cache_seqlens, head_dim_v,
                  softmax_scale: float, causal: bool, is_fp8_kvcache: bool, indices, attn_sink, topk_length, kv_format,
-                 extra, formats: tuple, schedule, out):
+                 extra, formats: tuple, schedule, out, invariant: bool = False):
         """A checked call (``check`` passed and gave ``formats``; ``kind`` the backend) with a metadata object
-        (``capture`` as ``DenseDecode`` takes it); the arguments as given (a replay compares them)."""
+        (``capture`` and ``invariant`` as ``DenseDecode`` takes them); the arguments as given (a replay compares
+        them)."""
         fmt, extra_fmt = formats
         extra_k_cache, extra_indices, extra_topk_length = extra
         given = extra_fmt is not None
@@ -312,7 +324,7 @@ class SparseDecode:
             False, True, indices.shape[-1], kv_format=fmt,
             extra_page_block_size=extra_k_cache.shape[1] if given else None,
             extra_topk=extra_indices.shape[-1] if given else None,
-            extra_kv_format=extra_fmt,
+            extra_kv_format=extra_fmt, batch_invariant=invariant,
         )
         first = check_metadata(meta, config, topk_length, extra_topk_length)
         V.check_sink_presence(meta, attn_sink is not None, first)
@@ -322,18 +334,18 @@ class SparseDecode:
         with unbind_on_error(meta, first):
             if kind == "reference":
                 if first:
-                    fill_sparse_reference_metadata(meta, q, indices.shape[-1], topk_length, sched)
+                    fill_sparse_reference_metadata(meta, q, indices.shape[-1], topk_length, sched, invariant, two)
                 return into_out(out, reference.sparse_decode_fp8(q, k_cache, indices, softmax_scale, topk_length,
                                                                  attn_sink, head_dim_v, fmt, two))
             out, lse = cute.sparse_decode(q, k_cache, indices, topk_length, attn_sink, softmax_scale, meta, first,
-                                          sched, fmt, two, out)
+                                          sched, fmt, two, out, invariant)
         meta._replay = cute.replay_sparse_plan(meta, q, k_cache, indices, topk_length, attn_sink, block_table,
                                                cache_seqlens, head_dim_v, causal, is_fp8_kvcache, kv_format, extra)
         return out, lse
 
     @staticmethod
     def replay(meta, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
-               indices, attn_sink, topk_length, kv_format, schedule, backend, extra, out=None):
+               indices, attn_sink, topk_length, kv_format, schedule, backend, extra, out=None, invariant: bool = False):
         """The launch of a call whose every checked fact matches the last call that passed all checks (as
         ``DenseDecode.replay``: None sends the call down the checked path); ``extra``: (extra_k_cache,
         extra_indices_in_kvcache, extra_topk_length) as given."""
@@ -341,7 +353,8 @@ class SparseDecode:
         extra_lengths = extra[2]
         # topk_length and extra_topk_length (or their absence) as the metadata was checked against: the same
         # tensors, storage, shape and version.
-        if (not isinstance(plan, cute.SparsePlan) or topk_length is not meta._lengths_ref
+        if (not isinstance(plan, cute.SparsePlan) or plan.invariant is not invariant
+                or topk_length is not meta._lengths_ref
                 or extra_lengths is not meta._extra_lengths_ref or type(causal) is not bool):
             return None
         try:
@@ -403,9 +416,26 @@ class SparseDecode:
         return records.to(device), splits.to(device)
 
 
-def fill_sparse_reference_metadata(meta: FlashMLASchedMeta, q, topk: int, topk_length, schedule) -> None:
+def fill_sparse_reference_metadata(meta: FlashMLASchedMeta, q, topk: int, topk_length, schedule,
+                                   invariant: bool = False, extra=None) -> None:
     """The split plan of the sparse kernel, as the cute backend makes it (``resolve_sparse``: 64-token blocks over
-    topk; small plans with their own fixed cost)."""
+    topk; small plans with their own fixed cost; ``invariant``: ``planner.invariant_plan`` over the lengths as the
+    kernel serves them, both caches' with ``extra``, ``reference.sparse_decode_fp8``'s)."""
+    b = q.shape[0]
+    if invariant:
+        given = topk_length if topk_length is not None else torch.full((b,), topk, dtype=torch.int32)
+        if extra is None:
+            lengths, total = served_lengths("topk", given, topk), topk
+        else:
+            extra_topk = extra[2].shape[-1]
+            more = extra[3] if extra[3] is not None else torch.full((b,), extra_topk, dtype=torch.int32)
+            lengths = served_lengths("two_caches", given.cpu(), topk, more.cpu(), extra_topk)
+            total = -(-topk // 64) * 64 + extra_topk
+        bound = invariant_pieces(-(-total // 64), schedule.invariant_piece_blocks, schedule.invariant_max_pieces)
+        records, splits = invariant_plan(lengths.cpu(), schedule.invariant_piece_blocks,
+                                         schedule.invariant_max_pieces, bound)
+        meta.tile_scheduler_metadata, meta.num_splits = records.to(q.device), splits.to(q.device)
+        return
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # planning on the host needs the lengths' values
     b, s_q, h_q, _ = q.shape
