@@ -10,6 +10,7 @@ to [-1, 1], a block table of distinct blocks in random order); the same tensors 
 Modes, timing and the host time as ``bench_sparse_cases.py`` (the host time on the b 1 rows).
 
     python benchmarks/bench_dense_cases.py [--rows perf,long] [--modes eager,graph,host] [--rounds 3] [--out rows.json]
+        [--invariant]  (also ``enable_batch_invariant=True``, timed beside both: its cost)
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ def call(mod, a: dict, meta, **kw):
                                       causal=a["causal"], **kw)
 
 
-def row(fm, b: int, s_q: int, s_k: int, causal: bool, modes, rounds: int) -> dict:
+def row(fm, b: int, s_q: int, s_k: int, causal: bool, modes, rounds: int, invariant: bool = False) -> dict:
     a = make_inputs(b, s_q, s_k, causal)
     rec = dict(b=b, s_q=s_q, h_q=H_Q, s_k=s_k, causal=causal, tokens=int(a["cache_seqlens"].sum()))
-    return measure(fm, a, rec, modes, rounds, b == 1, call)
+    return measure(fm, a, rec, modes, rounds, b == 1, call, invariant)
 
 
 def main():
@@ -63,7 +64,7 @@ def main():
           "FlashMLA / ours | out rel |\n|---|---|---|---|---|---|---|---|", flush=True)
     for group in args.rows.split(","):
         for b, s_q, s_k, causal in ROWS[group]:
-            rec = row(fm, b, s_q, s_k, causal, modes, args.rounds)
+            rec = row(fm, b, s_q, s_k, causal, modes, args.rounds, args.invariant)
             recs.append(rec)
             print(f"| {b} | {s_q} | {s_k} | {causal} | {timing_cells(rec)} |", flush=True)
             torch.cuda.empty_cache()

@@ -23,7 +23,8 @@ Modes:
          b = 2 rows, in 5 blocks of 200 (the GPU drained before each), the median block's; FlashMLA's and ours.
 
     python benchmarks/bench_sparse_cases.py [--configs V32,CONFIG1,...,PEAK] [--batches 2,64] [--modes eager,graph,host]
-                                           [--rounds 3] [--out rows.json]
+                                           [--rounds 3] [--out rows.json] [--invariant]
+(``--invariant``: our call with ``enable_batch_invariant=True`` timed beside both, its cells last.)
 """
 
 from __future__ import annotations
@@ -166,24 +167,32 @@ def timed(fns: dict, rounds: int) -> dict:
     return {k: flashmla_side.median(v) for k, v in times.items()}
 
 
-def row(fm, name: str, b: int, modes, rounds: int) -> dict:
+def row(fm, name: str, b: int, modes, rounds: int, invariant: bool = False) -> dict:
     h_q, d_qk, s_k, topk, page, extra, extra_len, _ = CONFIGS[name]
     a = make_inputs(name, b)
     rec = dict(config=name, b=b, s_q=S_Q, h_q=h_q, d_qk=d_qk, topk=topk, page=page,
                extra_topk=extra[1] if extra else 0, extra_page=extra[2] if extra else None, extra_topk_length=extra_len)
-    return measure(fm, a, rec, modes, rounds, b == 2)
+    return measure(fm, a, rec, modes, rounds, b == 2, invariant=invariant)
 
 
-def measure(fm, a: dict, rec: dict, modes, rounds: int, host: bool, caller=call) -> dict:
-    """Both calls' outputs compared, then the ``modes`` timed (the host time where ``host``), into ``rec``."""
+def measure(fm, a: dict, rec: dict, modes, rounds: int, host: bool, caller=call, invariant: bool = False) -> dict:
+    """Both calls' outputs compared, then the ``modes`` timed (the host time where ``host``), into ``rec``.
+    ``invariant``: our call with ``enable_batch_invariant=True`` timed too, interleaved with both (``inv_*``)."""
     fm_e, ours_e = eager_fn(fm, a, caller, use_legacy=True), eager_fn(mla_cute, a, caller)
     rec.update(compare(fm_e(), ours_e()))
+    inv = dict(enable_batch_invariant=True)
     if "eager" in modes:
-        t = timed({"fm": fm_e, "ours": ours_e}, rounds)
+        fns = {"fm": fm_e, "ours": ours_e} | ({"inv": eager_fn(mla_cute, a, caller, **inv)} if invariant else {})
+        t = timed(fns, rounds)
         rec.update(fm_us=t["fm"], ours_us=t["ours"], ratio=t["fm"] / t["ours"])
+        if invariant:
+            rec.update(inv_us=t["inv"], inv_ratio=t["fm"] / t["inv"])
     if "graph" in modes:
-        t = timed({"fm": graph_fn(fm, a, caller, use_legacy=True), "ours": graph_fn(mla_cute, a, caller)}, rounds)
+        fns = {"fm": graph_fn(fm, a, caller, use_legacy=True), "ours": graph_fn(mla_cute, a, caller)}
+        t = timed(fns | ({"inv": graph_fn(mla_cute, a, caller, **inv)} if invariant else {}), rounds)
         rec.update(fm_graph_us=t["fm"], ours_graph_us=t["ours"], graph_ratio=t["fm"] / t["ours"])
+        if invariant:
+            rec.update(inv_graph_us=t["inv"], inv_graph_ratio=t["fm"] / t["inv"])
     if "host" in modes and host:
         rec.update(fm_host_us=host_us(fm_e), ours_host_us=host_us(ours_e))
     return rec
@@ -202,7 +211,7 @@ def main():
         for b in CONFIGS[name][-1]:
             if only is not None and b not in only:
                 continue
-            rec = row(fm, name, b, modes, args.rounds)
+            rec = row(fm, name, b, modes, args.rounds, args.invariant)
             recs.append(rec)
             print(f"| {name} | {b} | {rec['h_q']} | {timing_cells(rec)} |", flush=True)
             torch.cuda.empty_cache()
@@ -217,6 +226,8 @@ def parse_side_by_side(ap):
     ap.add_argument("--modes", default="eager,graph,host")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--invariant", action="store_true",
+                    help="also time our call with enable_batch_invariant=True (last cells: FlashMLA / it, eager, graph)")
     args = ap.parse_args()
     fm = flashmla_side.flash_mla()
     if fm is None:
@@ -230,7 +241,11 @@ def timing_cells(rec: dict) -> str:
     graph = (f"{rec['fm_graph_us']:.1f} / {rec['ours_graph_us']:.1f} ({rec['graph_ratio']:.2f})"
              if "fm_graph_us" in rec else "-")
     host = f"{rec['fm_host_us']:.1f} / {rec['ours_host_us']:.1f}" if "fm_host_us" in rec else "-"
-    return f"{eager} | {graph} | {host} | {rec['out_rel']:.1e}"
+    cells = f"{eager} | {graph} | {host} | {rec['out_rel']:.1e}"
+    if "inv_us" in rec or "inv_graph_us" in rec:  # enable_batch_invariant=True beside FlashMLA
+        cells += " | " + " | ".join(f"{rec[k]:.1f} ({rec[r]:.2f})" if k in rec else "-"
+                                    for k, r in (("inv_us", "inv_ratio"), ("inv_graph_us", "inv_graph_ratio")))
+    return cells
 
 
 def write_rows(path: str, recs: list, **about) -> None:
