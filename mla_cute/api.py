@@ -400,7 +400,8 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
                                  f"({sorted(HEAD_DIM)}), got {extra!r}")
             check_extra_format(fmt, extra, f"precompile config {i}: extra_cache")
             cute.precompile_sparse(cfg["s_q"], cfg["h_q"], bool(cfg.get("attn_sink", False)), sched,
-                                   bool(cfg.get("topk_length", False)), fmt, extra, invariant)
+                                   bool(cfg.get("topk_length", False)), fmt, extra,
+                                   **({"invariant": True} if invariant else {}))
             count += 1
             continue
         if cfg["dtype"] not in V.HALF_DTYPES:
@@ -414,7 +415,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         if d_qk not in (D_QK, D_LATENT) or isinstance(d_qk, bool):
             raise ValueError(f"precompile config {i}: d_qk must be {D_QK} or {D_LATENT}, got {d_qk!r}")
         cute.precompile_dense(cfg["dtype"], cfg["s_q"], cfg["h_q"], cfg["h_kv"], bool(cfg.get("causal", False)), page,
-                              sched, d_qk, invariant)
+                              sched, d_qk, **({"invariant": True} if invariant else {}))
         count += 1
     return count
 

@@ -152,13 +152,24 @@ def test_h_kv_1_query_rows_are_a_view():
     assert rows.data_ptr() == q.data_ptr() and rows.shape == (2, 48, 1, 576)
 
 
-@pytest.mark.parametrize("page,fp8,match", [(32, False, "multiple of 64"), (64, True, "FP8 cache")])
+@pytest.mark.parametrize("page,fp8,match", [(32, False, "multiple of 64"), (64, True, "per-tensor FP8 cache")])
 def test_unsupported_configurations_raise(page, fp8, match):
     from mla_cute.backends.cute import check_supported
 
-    cache = torch.zeros(2, page, 1, 656 if fp8 else 576, dtype=torch.uint8 if fp8 else torch.bfloat16)
+    cache = torch.zeros(2, page, 1, 576, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
     with pytest.raises(NotImplementedError, match=match):
         check_supported(cache, fp8)
+
+
+def test_the_656_byte_cache_runs_on_a_plan_of_its_own():
+    """Dense decode over the 656-byte cache takes the sparse kernel with a metadata object; a plan given as tensors
+    (a dense plan) is refused by name."""
+    from mla_cute.backends.cute import check_supported
+
+    cache = torch.zeros(2, 64, 1, 656, dtype=torch.uint8)
+    check_supported(cache, True)
+    with pytest.raises(NotImplementedError, match="pass a FlashMLASchedMeta"):
+        check_supported(cache, True, planned=False)
 
 
 @pytest.fixture

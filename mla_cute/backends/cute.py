@@ -62,9 +62,18 @@ def query_rows(q: torch.Tensor, h_kv: int) -> torch.Tensor:
     return rows if _aligned(rows) else _packed_copy(rows)
 
 
-def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool) -> None:
+def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool, planned: bool = True) -> None:
+    """What the dense kernels read; the 656-byte FP8 cache through the sparse kernel (``dense_positions``), on a
+    plan of its own (``planned``: with a metadata object, not a plan given as tensors)."""
+    if is_fp8_kvcache and k_cache.shape[-1] == 656 and planned:
+        check_sparse_supported(k_cache, "V32")
+        return
+    if is_fp8_kvcache and k_cache.shape[-1] == 656:
+        raise NotImplementedError("dense decode over the 656-byte FP8 cache runs the sparse kernel on a plan of its "
+                                  "own: pass a FlashMLASchedMeta from get_mla_metadata(), not tensors")
     if is_fp8_kvcache:
-        raise NotImplementedError("dense decode over the FP8 cache (is_fp8_kvcache=True) has no 'cute' kernel yet")
+        raise NotImplementedError("dense decode over the per-tensor FP8 cache (descale_k) has no 'cute' kernel yet "
+                                  "(backend='reference' runs it)")
     page = k_cache.shape[1]
     if page % 64 != 0:
         raise NotImplementedError(f"page_block_size {page}: the 'cute' dense kernel needs a multiple of 64")
@@ -317,6 +326,37 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
     steps = dense_precompile_steps(schedule, dtype=str(dtype).replace("torch.", ""), s_q=s_q, h_q=h_q, h_kv=h_kv,
                                    causal=causal, page=page, device=device_facts(device), d_qk=d_qk)
     compile_all([(compile_dense, step) for step, _ in steps] + [(compile_scheduler, sched) for _, sched in steps])
+
+
+# ---------------------------------------------------------------- dense decode over the 656-byte FP8 cache
+def dense_positions(block_table, cache_seqlens, num_blocks: int, page: int, s_q: int, causal: bool):
+    """Dense decode over the 656-byte cache as sparse decode over it: every token a request's block-table row covers
+    as an index (``block * page + offset``; a block id outside the cache -1, skipped), its length (within the row)
+    as ``topk_length``; causal with s_q > 1: a query's positions past its own end -1.  Torch operations on the
+    tables' device (no host read: a CUDA graph captures them).  Returns indices int32 ``[b, s_q, blocks * page]``
+    and the lengths int32 ``[b]``."""
+    b, blocks = block_table.shape
+    covered = blocks * page
+    pos = torch.arange(covered, device=block_table.device)
+    ids = block_table.long()[:, pos // page]  # [b, covered]
+    idx = torch.where((ids >= 0) & (ids < num_blocks), ids * page + pos % page, -1)
+    lengths = cache_seqlens.long().clamp(0, covered)
+    if causal and s_q > 1:  # bottom-right aligned: query t sees [0, length - (s_q - 1 - t))
+        ends = lengths[:, None] - (s_q - 1 - torch.arange(s_q, device=idx.device))[None, :]  # [b, s_q]
+        idx = torch.where(pos[None, None, :] < ends[:, :, None], idx[:, None, :], -1)
+    else:
+        idx = idx[:, None, :].expand(b, s_q, covered)
+    return idx.to(torch.int32).contiguous(), lengths.to(torch.int32)
+
+
+def dense_decode_fp8_cache(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, meta, first,
+                           schedule: SparseDecodeSchedule, out=None, invariant: bool = False):
+    """Dense decode over the 656-byte FP8 cache (bf16 q, one KV head): the sparse kernel over every position of each
+    request (``dense_positions``, made again each call), planned over the requests' lengths with ``schedule``."""
+    indices, lengths = dense_positions(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1], q.shape[1],
+                                       causal)
+    return sparse_decode(q, k_cache, indices, lengths, None, softmax_scale, meta, first, schedule, "V32", None, out,
+                         invariant)
 
 
 # ---------------------------------------------------------------- sparse FP8 decode

@@ -181,6 +181,10 @@ class DenseDecode:
                                             invariant)
                 return into_out(out, self.reference(q, k_cache, block_table, cache_seqlens, softmax_scale, masked,
                                                     head_dim_v, is_fp8_kvcache, *descales))
+            if is_fp8_kvcache:  # the 656-byte cache (the per-tensor one has no cute kernel: check_supported)
+                return cute.dense_decode_fp8_cache(q, k_cache, block_table, cache_seqlens, softmax_scale, masked,
+                                                   meta, first, resolve_schedule(None, SparseDecodeSchedule), out,
+                                                   invariant)
             out, lse = cute.dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, meta, first,
                                          sched, host_lengths, out, invariant)
         # The facts hold the argument as given (the replay compares it), not the mask.
@@ -236,7 +240,7 @@ class DenseDecode:
         them)."""
         sched = resolve_schedule(schedule, DenseDecodeSchedule)
         if kind == "cute":
-            cute.check_supported(k_cache, is_fp8_kvcache)
+            cute.check_supported(k_cache, is_fp8_kvcache, planned=False)
         b, s_q, h_q, _ = q.shape
         h_kv = k_cache.shape[2]
         rows = s_q * (h_q // h_kv)
