@@ -593,14 +593,20 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
     @cute.jit
     def load_row(self, gather, k, src, idx, ok):
         """Start the 16-byte loads of this thread's share of cache token ``idx`` (V32: six; ``cache_rows.py``);
-        nothing for an invalid token (``ok`` false)."""
-        raw = gather.raw
-        gather.valid[k] = 0
+        nothing for an invalid token (``ok`` false).
+
+        The run-time branches store through local names only.  A store through ``gather``'s fields in one
+        (``gather.valid[k] = 1``) makes the DSL carry ``gather`` out of the branch and rebind the fields of the
+        caller's record to the branch's results: values inside the branch's region, which a second instantiation
+        of the gather elsewhere (a loop over the other cache's tiles) cannot use ("operand #0 does not dominate
+        this use")."""
+        raw, valid = gather.raw, gather.valid
+        valid[k] = 0
         for j in cutlass.range_constexpr(SLOTS):
             for w in cutlass.range_constexpr(WORDS):
                 raw[w, j, k] = 0
         if ok:
-            gather.valid[k] = 1
+            valid[k] = 1
             if cutlass.const_expr(src.extra is None):
                 blk_id = idx // src.page
                 self.rows.load(raw, k, src, blk_id, idx - blk_id * src.page)
@@ -612,7 +618,7 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
                     e = idx - src.num_rows
                     blk_id = e // src.extra.page
                     self.extra_rows.load(raw, k, src.extra, blk_id, e - blk_id * src.extra.page)
-                    gather.valid[k] = 2  # an extra row: with two codecs, the extra one dequantizes it
+                    valid[k] = 2  # an extra row: with two codecs, the extra one dequantizes it
 
     @cute.jit
     def hand_over(self, stores, stage, full_bar, warp, lane_w, first, skip: cutlass.Constexpr = 0):
@@ -623,7 +629,9 @@ class SparseDecodeFp8Kernel(LeaderFollowerConsumer):
         cute.arch.fence_view_async_shared()
         cute.arch.sync_warp()
         if (lane_w >= skip) & (lane_w < 2):
-            stores.copy_warp_block(stage, full_bar, warp, self.warp_rows, first + lane_w)
+            # Through the class: a method call on ``stores`` in a run-time branch would rebind the caller's
+            # record to the branch's results (``load_row``).
+            StageStores.copy_warp_block(stores, stage, full_bar, warp, self.warp_rows, first + lane_w)
 
     @cute.jit
     def store_latent(self, gather, k, m, tok, stage, lane, stores, full_bar):
