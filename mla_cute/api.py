@@ -136,9 +136,10 @@ def flash_mla_with_kvcache(
         q: ``[b, s_q, h_q, 576]`` bf16 or fp16 (512 latent + 64 RoPE), or, dense with a 16-bit cache,
             ``[b, s_q, h_q, 512]`` (no RoPE part: V is the whole row).
         k_cache: ``[num_blocks, page_block_size, h_kv, 576]`` (or 512, q's head_dim), dtype of q; or, with
-            ``is_fp8_kvcache=True`` (the reference backend only), ``[num_blocks, page_block_size, 1, 656]`` FP8
-            rows (see ``mla_cute.fp8``) with bf16 q, or the per-tensor FP8 cache ``[.., h_kv, 576]``
-            float8_e4m3fn with ``descale_k`` and q bf16 or float8_e4m3fn with ``descale_q`` (out bf16).
+            ``is_fp8_kvcache=True``, ``[num_blocks, page_block_size, 1, 656]`` FP8 rows (see ``mla_cute.fp8``)
+            with bf16 q (on the cute backend the sparse kernel over every position, with a metadata object and a
+            ``SparseDecodeSchedule``), or the per-tensor FP8 cache ``[.., h_kv, 576]`` float8_e4m3fn with
+            ``descale_k`` and q bf16 or float8_e4m3fn with ``descale_q`` (out bf16; the reference backend only).
         block_table: int32 ``[b, max_num_blocks]``: logical block j of request i is
             physical block ``block_table[i, j]``.
         cache_seqlens: int32 ``[b]``, KV length of each request (0 allowed).
@@ -176,7 +177,8 @@ def flash_mla_with_kvcache(
             ``MLA_CUTE_BACKEND`` environment variable).
         out (keyword): ``[b, s_q, h_q, 512]`` of q's dtype, contiguous, 16-byte aligned: the output is written
             there (the kernels write it in place, no copy; inside a CUDA graph too) and returned.
-        schedule: a ``mla_cute.schedules.DenseDecodeSchedule`` for the dense cute kernel
+        schedule: a ``mla_cute.schedules.DenseDecodeSchedule`` for the dense cute kernel (a
+            ``SparseDecodeSchedule`` for sparse decode and for dense decode over the 656-byte cache)
             (keyword only; default: the one set by :func:`use_schedule`, else the default
             schedule).  A metadata object keeps the schedule it was first used with.
 

@@ -17,7 +17,8 @@ class FlashMLASchedMeta:
     Reuse one object across the layers of a decode step: the shapes, the config and
     the values of ``cache_seqlens`` (or ``topk_length``) must stay the same.
 
-    tile_scheduler_metadata: int32 ``[num_sm_parts, 8]`` (see ``mla_cute.schedules.RECORD_FIELDS``).
+    tile_scheduler_metadata: int32 ``[parts, 8]`` (see ``mla_cute.schedules.RECORD_FIELDS``): ``num_sm_parts``
+    parts, or with ``enable_batch_invariant`` ``b`` times the pieces bound (``schedules.invariant_plan``).
     num_splits: int32 ``[batch_size + 1]``, prefix sum of the split count of each request.
     """
 
@@ -61,7 +62,6 @@ class FlashMLASchedMeta:
     # The dense cute plan once a call has passed every check; later calls with the same
     # facts (see ``cute.dense_call_facts``) skip straight to the launch.
     _replay: Optional[object] = dataclasses.field(default=None, repr=False)
-
 
 
 def lengths_key(t: torch.Tensor) -> tuple:

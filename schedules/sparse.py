@@ -26,7 +26,8 @@ class SparseDecodeSchedule:
     small_plan_fixed_cost: the planner's fixed cost per request piece for small plans.
     combine_chunked_batch, combine_spread_partials: as for dense decode.
     invariant_piece_blocks, invariant_max_pieces: as for dense decode, over a request's tiles (topk's, or both
-        caches'); the workspace holds at most ``ceil(tiles / invariant_piece_blocks)`` partials a request.
+        caches'); the workspace holds ``min(invariant_max_pieces, ceil(topk's tiles / invariant_piece_blocks))``
+        partials a request.
     """
 
     num_sm_parts: Optional[int] = None

@@ -88,3 +88,27 @@ def test_cute_refuses_a_tensor_plan_and_the_per_tensor_cache(monkeypatch):
     with pytest.raises(NotImplementedError, match="per-tensor FP8 cache"):
         mla_cute.flash_mla_with_kvcache(q, per_tensor, table, lens, 512, mla_cute.get_mla_metadata()[0],
                                         is_fp8_kvcache=True, descale_k=torch.ones(1))
+
+
+def test_reference_metadata_is_the_sparse_kernels_plan_and_the_schedule_a_sparse_one():
+    """Over the 656-byte cache the reference fills the metadata as the cute backend plans it (the sparse kernel's
+    plan over the lengths, batch-invariant too), and takes a SparseDecodeSchedule; a DenseDecodeSchedule there is a
+    TypeError naming the call."""
+    from mla_cute.schedules import (DEFAULT_SPARSE_SCHEDULE, DenseDecodeSchedule, invariant_plan, plan_splits,
+                                    resolve_sparse, sparse_lengths)
+
+    q, cache, table, lens = _case(lengths=(150, 0, 192))
+    meta = mla_cute.get_mla_metadata()[0]
+    mla_cute.flash_mla_with_kvcache(q, cache, table, lens, 512, meta, is_fp8_kvcache=True)
+    call = resolve_sparse(DEFAULT_SPARSE_SCHEDULE, b=3, s_q=2, h_q=16, topk=192, has_sink=False,
+                          has_topk_length=True)
+    want = plan_splits(sparse_lengths(192, lens, 3), call.parts, 64, *call.scheduler.policy())
+    assert torch.equal(meta.tile_scheduler_metadata, want[0]) and torch.equal(meta.num_splits, want[1])
+    meta = mla_cute.get_mla_metadata()[0]
+    mla_cute.flash_mla_with_kvcache(q, cache, table, lens, 512, meta, is_fp8_kvcache=True,
+                                    enable_batch_invariant=True)
+    records, splits = invariant_plan(lens.clamp(min=1), 8, 4, 1)  # 192 tokens: 3 tiles, one piece
+    assert torch.equal(meta.tile_scheduler_metadata, records) and torch.equal(meta.num_splits, splits)
+    with pytest.raises(TypeError, match="dense decode over the 656-byte cache"):
+        mla_cute.flash_mla_with_kvcache(q, cache, table, lens, 512, mla_cute.get_mla_metadata()[0],
+                                        is_fp8_kvcache=True, schedule=DenseDecodeSchedule())

@@ -337,16 +337,19 @@ def dense_positions(block_table, cache_seqlens, num_blocks: int, page: int, s_q:
     and the lengths int32 ``[b]``."""
     b, blocks = block_table.shape
     covered = blocks * page
-    pos = torch.arange(covered, device=block_table.device)
-    ids = block_table.long()[:, pos // page]  # [b, covered]
-    idx = torch.where((ids >= 0) & (ids < num_blocks), ids * page + pos % page, -1)
-    lengths = cache_seqlens.long().clamp(0, covered)
+    device = block_table.device
+    pos = torch.arange(covered, dtype=torch.int32, device=device)
+    ids = block_table.to(torch.int32)[:, pos // page]  # [b, covered]
+    inside = (ids >= 0) & (ids < num_blocks)
+    # int32 throughout: an id inside the cache gives an index below num_blocks * page (the cache's tokens).
+    idx = torch.where(inside, ids.masked_fill(~inside, 0) * page + pos % page, -1)
+    lengths = cache_seqlens.to(torch.int32).clamp(0, covered)
     if causal and s_q > 1:  # bottom-right aligned: query t sees [0, length - (s_q - 1 - t))
-        ends = lengths[:, None] - (s_q - 1 - torch.arange(s_q, device=idx.device))[None, :]  # [b, s_q]
+        ends = lengths[:, None] - (s_q - 1 - torch.arange(s_q, dtype=torch.int32, device=device))[None, :]
         idx = torch.where(pos[None, None, :] < ends[:, :, None], idx[:, None, :], -1)
     else:
         idx = idx[:, None, :].expand(b, s_q, covered)
-    return idx.to(torch.int32).contiguous(), lengths.to(torch.int32)
+    return idx.contiguous(), lengths
 
 
 def dense_decode_fp8_cache(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, meta, first,

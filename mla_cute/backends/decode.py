@@ -56,12 +56,13 @@ def use_schedule(schedule):
         _schedule_override.reset(token)
 
 
-def resolve_schedule(schedule, kind: type):
-    """The schedule of this call: the argument, else the innermost ``use_schedule`` of that kind, else the default."""
+def resolve_schedule(schedule, kind: type, what: Optional[str] = None):
+    """The schedule of this call: the argument, else the innermost ``use_schedule`` of that kind, else the default
+    (``what``: the call, for the error)."""
     if schedule is None:
         return _schedule_override.get().get(kind) or _DEFAULTS[kind]
     if not isinstance(schedule, kind):
-        what = "dense decode" if kind is DenseDecodeSchedule else "sparse decode (indices given)"
+        what = what or ("dense decode" if kind is DenseDecodeSchedule else "sparse decode (indices given)")
         raise TypeError(f"schedule must be a {kind.__name__} for {what}, got {type(schedule).__name__}")
     schedule.validate()
     return schedule
@@ -159,8 +160,13 @@ class DenseDecode:
                  invariant: bool = False):
         """A checked call (``check`` passed; ``kind`` the backend) with a metadata object: bound on its first call
         (``capture``: (capturing, capture id)), checked against it on later ones.  ``invariant``:
-        ``enable_batch_invariant`` (the reference computes each request alone in any case)."""
-        sched = resolve_schedule(schedule, DenseDecodeSchedule)
+        ``enable_batch_invariant`` (the reference computes each request alone in any case).  Over the 656-byte
+        cache the cute backend runs the sparse kernel (``cute.dense_positions``): the schedule is a
+        ``SparseDecodeSchedule``, and the reference fills the metadata with that kernel's plan."""
+        positions = is_fp8_kvcache and k_cache.shape[-1] == 656  # the 656-byte cache: the sparse kernel's plan
+        sched = (resolve_schedule(schedule, SparseDecodeSchedule, "dense decode over the 656-byte cache (the sparse "
+                                  "kernel over every position)") if positions
+                 else resolve_schedule(schedule, DenseDecodeSchedule))
         if kind == "cute":
             cute.check_supported(k_cache, is_fp8_kvcache)
         config = FlashMLASchedMeta.Config(
@@ -176,15 +182,18 @@ class DenseDecode:
         masked = causal and q.shape[1] > 1  # the mask (causal is ignored when s_q == 1)
         with unbind_on_error(meta, first):
             if kind == "reference":
-                if first:
+                if first and positions:
+                    covered = block_table.shape[1] * k_cache.shape[1]
+                    fill_sparse_reference_metadata(meta, q, covered, cache_seqlens.clamp(0, covered), sched,
+                                                   invariant)
+                elif first:
                     fill_reference_metadata(meta, q, k_cache, block_table, cache_seqlens, masked, sched, host_lengths,
                                             invariant)
                 return into_out(out, self.reference(q, k_cache, block_table, cache_seqlens, softmax_scale, masked,
                                                     head_dim_v, is_fp8_kvcache, *descales))
-            if is_fp8_kvcache:  # the 656-byte cache (the per-tensor one has no cute kernel: check_supported)
+            if positions:  # the per-tensor cache has no cute kernel (check_supported)
                 return cute.dense_decode_fp8_cache(q, k_cache, block_table, cache_seqlens, softmax_scale, masked,
-                                                   meta, first, resolve_schedule(None, SparseDecodeSchedule), out,
-                                                   invariant)
+                                                   meta, first, sched, out, invariant)
             out, lse = cute.dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, meta, first,
                                          sched, host_lengths, out, invariant)
         # The facts hold the argument as given (the replay compares it), not the mask.
@@ -264,8 +273,9 @@ class DenseDecode:
         device = seqlens_k.device
         if kind == "cute":
             if is_fp8_kvcache:
-                raise NotImplementedError("is_fp8_kvcache=True: dense decode over the FP8 cache has no 'cute' "
-                                          "kernel yet (backend='reference' runs it)")
+                raise NotImplementedError("is_fp8_kvcache=True: dense decode over an FP8 cache takes no plan as "
+                                          "tensors on the 'cute' backend (the 656-byte cache plans on the call, "
+                                          "with a FlashMLASchedMeta; backend='reference' runs both)")
             return cute.plan_dense_tensors(seqlens_k, rows, h_k, sched)
         parts, scheduler = dense_tensor_plan(sched, rows=rows, h_kv=h_k, device=device_facts(device))
         lengths = seqlens_k.cpu()
@@ -433,7 +443,7 @@ def fill_sparse_reference_metadata(meta: FlashMLASchedMeta, q, topk: int, topk_l
         else:
             extra_topk = extra[2].shape[-1]
             more = extra[3] if extra[3] is not None else torch.full((b,), extra_topk, dtype=torch.int32)
-            lengths = served_lengths("two_caches", given.cpu(), topk, more.cpu(), extra_topk)
+            lengths = served_lengths("two_caches", given, topk, more.to(given.device), extra_topk)
             total = -(-topk // 64) * 64 + extra_topk
         bound = invariant_pieces(-(-total // 64), schedule.invariant_piece_blocks, schedule.invariant_max_pieces)
         records, splits = invariant_plan(lengths.cpu(), schedule.invariant_piece_blocks,
