@@ -134,7 +134,7 @@ def compile_dense(step: DenseStepConfig, options: str = ""):
         from . import signatures as sig
 
         args = sig.dense_decode_signature(sig.DTYPES[split.dtype], split.s_q, split.group * split.h_kv, split.h_kv,
-                                          split.page, split.d_qk)
+                                          split.page)
         if step.fill:  # the fill parts' records: a second table like the first
             args = args[:5] + (sig._records(),) + args[5:]
         return sig.compile_kernel(kernel, args, options)

@@ -55,9 +55,6 @@ Shared-memory plan (16-bit q/cache; bytes):
                                                    tile multicast, the peers' freed it)
   Q free                                       8  (Q's bytes may take the next request's Q)
 About 226 KiB of the 227 KiB a CTA may have (``schedules.resolve.DENSE_SMEM_BYTES``).
-Rows of 512 features (config ``d_qk`` 512, no RoPE part) keep this plan: Q's copy fills sQ's first 512
-columns, sP1 keeps the ninth sub-tile's slot, each tile arrives as sub-tiles 0-7 (K's ninth slot idles),
-and S takes all of Q from shared memory.
 
 Causal: the tiles no row of the M tile sees are skipped; the scores past a row's end are masked
 only in a request's last two tiles (the rows of an M tile end less than 64 keys apart).
@@ -92,10 +89,9 @@ from .work import OutputTile, SplitOutputs, WorkSlice, advance_lengths, lengths_
 from .seesaw import NUM_SUB, SUB, SeesawBarrier, SeesawBarriers, SeesawConsumer, make_seesaw_mmas
 
 # A buffer's sub-tiles by the warpgroup whose P V frees them: V_L (0-3) warpgroup 0's; V_R and the RoPE
-# columns (4-8; 4-7 for 512-feature rows) warpgroup 1's.
+# columns (4-8) warpgroup 1's.
 V_L_SUBS = (0, 1, 2, 3)
 V_R_SUBS = (4, 5, 6, 7, 8)
-V_R_SUBS_NO_ROPE = (4, 5, 6, 7)
 
 def half_of(subtiles) -> int:
     """The buffer half (hand-back barrier index) of a sub-tile group: 0 for V_L, 1 for V_R and RoPE."""
@@ -108,9 +104,6 @@ class DenseSeesawKernel(SeesawConsumer):
     """Static configuration of one compiled seesaw dense decode kernel."""
 
     kv_stages = 2  # the tile pair
-    # 576-feature rows unless the config says 512 (``__init__``; a subclass with its own reads keeps these).
-    has_rope = True
-    v_r_subs = V_R_SUBS
     # With the load warpgroup (384 threads, one CTA per SM): setmaxnreg moves registers within the CTA's
     # 384 x 168, so 2 x 128 x 240 + 128 x 24 = 64 512.
     launch_regs = 168
@@ -125,9 +118,6 @@ class DenseSeesawKernel(SeesawConsumer):
                              f"same tiles: it needs a multiple of {config.cluster_ctas} M tiles (got {config.m_tiles}) "
                              f"and, when causal, a multiple of 128 query heads a KV head (got {config.group})")
         set_dense_facts(self, config)
-        # 512-feature rows (no RoPE part): eight sub-tiles a tile; Q's ninth sub-tile slot holds only sP1.
-        self.has_rope = config.d_qk == D_QK
-        self.v_r_subs = V_R_SUBS if self.has_rope else V_R_SUBS_NO_ROPE
         self.kv_evict_first = config.evict_first
         self.tile_multicast = config.cluster_ctas > 1
         self.cluster_ctas = config.cluster_ctas
@@ -164,14 +154,11 @@ class DenseSeesawKernel(SeesawConsumer):
             sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, SUB), self.dtype, 1),
             (None, None, 0),
         )
-        # Q's copy fills the first d_qk features of sQ (all 576, or the 512 before the slot of sP1).
-        sQ_load_layout = self.q_load_layout()
-        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q, sQ_load_layout,
-                                                        (BLOCK_M, self.d_qk))
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q, sQ_layout, (BLOCK_M, D_QK))
         load_k = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.tile_multicast else cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load_k, k, sub_layout, (BLOCK_N, SUB),
                                                         num_multicast=self.cluster_ctas)
-        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_load_layout)
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.sub_bytes = cute.size_in_bytes(self.dtype, sub_layout)
 
         @cute.struct
@@ -266,9 +253,8 @@ class DenseSeesawKernel(SeesawConsumer):
             cute.arch.setmaxregister_decrease(self.loader_regs)
             if tidx // 32 == 8:
                 part, m_tile, kv_head = cute.arch.block_idx()
-                _, sK, _, _ = operand_tiles(storage, sQ_layout, sK_layout, sV_layout, sP_layout)
-                loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, self.q_load_tile(storage), sK, q_bar,
-                                         kv_bar,
+                sQ, sK, _, _ = operand_tiles(storage, sQ_layout, sK_layout, sV_layout, sP_layout)
+                loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar,
                                          mBlockTable, m_tile, kv_head, self.cluster_ctas,
                                          storage.free_mbar.data_ptr(), storage.q_free_mbar.data_ptr())
                 self.produce(loader, mSeqlens, self.work_slice(mSched, mBlockTable, part), m_tile)
@@ -301,7 +287,7 @@ class DenseSeesawKernel(SeesawConsumer):
         sScale = storage.scale.get_tensor(cute.make_layout((BLOCK_M, 2)))
         q_bar = storage.q_mbar.data_ptr()
         kv_bar = storage.kv_mbar.data_ptr()
-        loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, self.q_load_tile(storage), sK, q_bar, kv_bar,
+        loader = TileLoader.make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar,
                                  mBlockTable, m_tile, kv_head, self.cluster_ctas,
                                  storage.free_mbar.data_ptr(), storage.q_free_mbar.data_ptr())
         outs = SplitOutputs(mNumSplits, mOut, mLse, mOAccum, mLseAccum)
@@ -317,16 +303,6 @@ class DenseSeesawKernel(SeesawConsumer):
         work = self.work_slice(mSched, mBlockTable, part)
         self.serve(view, sMax, sScale, sSum, loader, mSeqlens, work, outs, staged, scale_log2, m_tile, kv_head,
                    tidx, wg)
-
-    def q_load_layout(self):
-        """The layout Q's copy writes: the first ``d_qk`` features of sQ's 576 (the same bytes: sQ's 64-feature
-        sub-tiles lie one after another)."""
-        return make_smem_layouts(self.dtype, self.kv_stages, self.d_qk)[0]
-
-    def q_load_tile(self, storage):
-        """sQ's bytes as Q's copy writes them (``q_load_layout``)."""
-        layout = self.q_load_layout()
-        return storage.sQ.get_tensor(layout.outer, swizzle=layout.inner)
 
     def work_slice(self, mSched, mBlockTable, part):
         """This CTA's record, its requests' lengths taken within their block-table rows (the loader and the
@@ -399,8 +375,7 @@ class DenseSeesawKernel(SeesawConsumer):
             sM[tidx, 0] = -cutlass.Float32.inf
         cute.arch.mbarrier_wait(loader.q_bar, q_phase[0])
         q_phase[0] = q_phase[0] ^ 1
-        if cutlass.const_expr(self.has_rope):
-            cute.autovec_copy(v.tSsQ_rope, v.rQ_rope)
+        cute.autovec_copy(v.tSsQ_rope, v.rQ_rope)
 
     @cute.jit
     def wg0_request(self, v, rows, sM, sScale, bars, loader, req, first, last, seqlen, scale_log2):
@@ -409,7 +384,7 @@ class DenseSeesawKernel(SeesawConsumer):
         pair = self.wg0_pair_cross_first if self.cross_term_first else self.wg0_pair
         n = last - first
         if n >= 1:
-            self.issue_qk(v, 0, V_L_SUBS + self.v_r_subs)
+            self.issue_qk(v, 0, V_L_SUBS + V_R_SUBS)
             warpgroup.wait_group(0)
         pairs = cutlass.max(n - 1, 0) // 2
         for p in cutlass.range(pairs, unroll=1):
@@ -427,7 +402,7 @@ class DenseSeesawKernel(SeesawConsumer):
                             else (self.wg1_tiles, self.wg1_last_tile))
         n = last - first
         if n >= 2:
-            self.issue_qk(v, 1, self.v_r_subs + V_L_SUBS)
+            self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
             warpgroup.wait_group(0)
         pairs = cutlass.max(n - 2, 0) // 2
         for p in cutlass.range(pairs, unroll=1):
@@ -509,7 +484,7 @@ class DenseSeesawKernel(SeesawConsumer):
         warpgroup.wait_group(0)
         self.hand_back(v, loader, 0, 1)
         if cutlass.const_expr(not tail):
-            self.issue_qk(v, 1, self.v_r_subs + V_L_SUBS)
+            self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
             warpgroup.wait_group(0)
 
     @cute.jit
@@ -594,7 +569,7 @@ class DenseSeesawKernel(SeesawConsumer):
         warpgroup.wait_group(0)
         self.hand_back(v, loader, 1, 1)
         if cutlass.const_expr(not tail):
-            self.issue_qk(v, 1, self.v_r_subs + V_L_SUBS)
+            self.issue_qk(v, 1, V_R_SUBS + V_L_SUBS)
             warpgroup.wait_group(0)
 
     @cute.jit
@@ -618,7 +593,7 @@ class DenseSeesawKernel(SeesawConsumer):
         self.issue_qk(v, 0, V_L_SUBS, flip=False)
         warpgroup.wait_group(len(V_L_SUBS))
         self.hand_back(v, loader, 1, 0)
-        self.issue_qk(v, 0, self.v_r_subs, accumulate=True)
+        self.issue_qk(v, 0, V_R_SUBS, accumulate=True)
 
     @cute.jit
     def hand_back(self, v, ld, buf: cutlass.Constexpr, half: cutlass.Constexpr):
@@ -672,7 +647,7 @@ class DenseSeesawKernel(SeesawConsumer):
         """Tile ``blk`` into buffer ``buf``, half by half as each is handed back, in the order the consumers
         free them (buffer 1's right half, read by the P V issued first, before its left half)."""
         loc = self.tile_location(ld, req, blk)
-        for subtiles in ((V_L_SUBS, self.v_r_subs) if buf == 0 else (self.v_r_subs, V_L_SUBS)):
+        for subtiles in ((V_L_SUBS, V_R_SUBS) if buf == 0 else (V_R_SUBS, V_L_SUBS)):
             k = buf * 2 + half_of(subtiles)
             cute.arch.mbarrier_wait(ld.free_bar + k, free_phase[k])
             free_phase[k] = free_phase[k] ^ 1
@@ -745,9 +720,8 @@ class TileLoader:
     @staticmethod
     def make(tma_atom_q, tma_q, tma_atom_k, tma_k, sQ, sK, q_bar, kv_bar, block_table, m_tile, kv_head,
              cluster_ctas: cutlass.Constexpr = 1, free_bar=None, q_free_bar=None):
-        # ((64, d_qk), m_tiles, 1, h_kv, b) and ((64, 64), page/64, d_qk/64, h_kv, num_blocks); ``sQ``: the
-        # bytes Q's copy writes (64 x d_qk)
-        gQ = cute.flat_divide(tma_q, (BLOCK_M, cute.size(sQ, mode=[1])))
+        # ((64, 576), m_tiles, 1, h_kv, b) and ((64, 64), page/64, 9, h_kv, num_blocks)
+        gQ = cute.flat_divide(tma_q, (BLOCK_M, D_QK))
         gK = cute.flat_divide(tma_k, (BLOCK_N, SUB))
         sK_sub = cute.flat_divide(sK, (BLOCK_N, SUB))  # (64, 64, 1, 9, 2)
         tQsQ, tQgQ = cpasync.tma_partition(

@@ -65,7 +65,6 @@ def set_dense_facts(kernel, config: DenseSplitConfig) -> None:
     kernel.page_size = config.page
     kernel.m_tiles = config.m_tiles
     kernel.tiles_per_page = config.page // BLOCK_N
-    kernel.d_qk = config.d_qk
 
 
 def feature_major(mQ: cute.Tensor, mKCache: cute.Tensor):
@@ -87,8 +86,6 @@ class DenseSerialKernel(SplitKVConsumer):
     def __init__(self, config: DenseSplitConfig):
         if config.kernel != "serial" or config.cluster_ctas != 1:
             raise ValueError(f"DenseSerialKernel takes configs of kernel 'serial' without clusters, got {config}")
-        if config.d_qk != 576:
-            raise NotImplementedError(f"DenseSerialKernel reads 576-feature rows only, got d_qk {config.d_qk}")
         set_dense_facts(self, config)
         self.kv_evict_first = config.evict_first
 

@@ -97,13 +97,12 @@ def scheduler_signature(lengths: str = "dense"):
     )
 
 
-def dense_decode_signature(dtype, s_q: int, h_q: int, h_kv: int, page: int, d_qk: int = D_QK):
-    """Fake tensors matching ``DenseSeesawKernel.__call__`` (fp32 partials); ``d_qk``: q's and the cache's
-    head_dim (576, or 512 without a RoPE part)."""
+def dense_decode_signature(dtype, s_q: int, h_q: int, h_kv: int, page: int):
+    """Fake tensors matching ``DenseSeesawKernel.__call__`` (fp32 partials)."""
     rows = s_q * (h_q // h_kv)
     b, nb, mb = _sym(), _sym(), _sym()
-    q = make_fake_tensor(dtype, (b, rows, h_kv, d_qk), (_s64(), _s64(), _s64(), 1), assumed_align=16)
-    k = make_fake_tensor(dtype, (nb, page, h_kv, d_qk), (_s64(), _s64(), _s64(), 1), assumed_align=16)
+    q = make_fake_tensor(dtype, (b, rows, h_kv, D_QK), (_s64(), _s64(), _s64(), 1), assumed_align=16)
+    k = make_fake_tensor(dtype, (nb, page, h_kv, D_QK), (_s64(), _s64(), _s64(), 1), assumed_align=16)
     block_table = make_fake_tensor(cutlass.Int32, (b, mb), (_sym(1, 64), 1), assumed_align=4)
     seqlens = make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4)
     return (q, k, block_table, seqlens, *_split_io(dtype, b, s_q, h_q, h_kv), *_scale_and_stream())

@@ -134,7 +134,7 @@ def flash_mla_with_kvcache(
 
     Dense (``indices is None``):
         q: ``[b, s_q, h_q, 576]`` bf16 or fp16 (512 latent + 64 RoPE), or, dense with a 16-bit cache,
-            ``[b, s_q, h_q, 512]`` (no RoPE part: V is the whole row).
+            ``[b, s_q, h_q, 512]`` (no RoPE part: V is the whole row; the reference backend only).
         k_cache: ``[num_blocks, page_block_size, h_kv, 576]`` (or 512, q's head_dim), dtype of q; or, with
             ``is_fp8_kvcache=True``, ``[num_blocks, page_block_size, 1, 656]`` FP8 rows (see ``mla_cute.fp8``)
             with bf16 q (on the cute backend the sparse kernel over every position, with a metadata object and a
@@ -331,7 +331,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
     """Compile (or load from the disk cache) the decode kernels for each configuration.
 
     Dense decode: a dict with ``dtype`` (torch.bfloat16 / torch.float16), ``s_q``, ``h_q``,
-    ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64), ``d_qk`` (576 or 512; 576),
+    ``h_kv`` and optionally ``causal`` (False), ``page_block_size`` (64),
     ``batch_invariant`` (False: the kernels of ``enable_batch_invariant=True`` calls) and ``schedule``.
     Sparse FP8 decode: a dict with ``sparse=True``, ``s_q``, ``h_q`` and optionally
     ``attn_sink`` and ``topk_length`` (False: whether calls pass one), ``kv_format`` ("V32"), ``extra_cache``
@@ -373,7 +373,7 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         sparse = bool(cfg.pop("sparse", False))
         required = {"s_q", "h_q"} if sparse else {"dtype", "s_q", "h_q", "h_kv"}
         allowed = required | {"schedule", "batch_invariant"} | ({"attn_sink", "topk_length", "kv_format", "extra_cache"}
-                                                                if sparse else {"causal", "page_block_size", "d_qk"})
+                                                                if sparse else {"causal", "page_block_size"})
         missing = required - cfg.keys()
         if missing:
             raise ValueError(f"precompile config {i} lacks {sorted(missing)}: {cfg}")
@@ -413,11 +413,8 @@ def precompile(configs: Iterable[dict], *, schedule=None) -> int:
         page = cfg.get("page_block_size", 64)
         if page % 64 != 0:
             raise NotImplementedError(f"precompile config {i}: page_block_size {page} is not a multiple of 64")
-        d_qk = cfg.get("d_qk", D_QK)
-        if d_qk not in (D_QK, D_LATENT) or isinstance(d_qk, bool):
-            raise ValueError(f"precompile config {i}: d_qk must be {D_QK} or {D_LATENT}, got {d_qk!r}")
         cute.precompile_dense(cfg["dtype"], cfg["s_q"], cfg["h_q"], cfg["h_kv"], bool(cfg.get("causal", False)), page,
-                              sched, d_qk, **({"invariant": True} if invariant else {}))
+                              sched, **({"invariant": True} if invariant else {}))
         count += 1
     return count
 

@@ -63,8 +63,7 @@ class DenseSplitConfig:
     tiles share each KV tile in a cluster (1: none, 2: a pair, 4), whether the seesaw's second warpgroup
     issues the cross term first, and whether KV loads are evict-first in L2.  ``kernel`` names the
     kernel: "seesaw" (every resolver's), or "serial", the baseline kept to measure gains against
-    (``kernels/dense_serial.py``; it takes ``cluster_ctas`` 1 and ignores ``cross_term_first``).  ``d_qk``: q's and
-    the cache's head_dim, 576 or 512 (the seesaw kernel only); V is a row's first 512 features either way."""
+    (``kernels/dense_serial.py``; it takes ``cluster_ctas`` 1 and ignores ``cross_term_first``)."""
 
     dtype: str
     s_q: int
@@ -76,11 +75,6 @@ class DenseSplitConfig:
     cross_term_first: bool
     evict_first: bool
     kernel: str = "seesaw"
-    d_qk: int = 576
-
-    def __post_init__(self):
-        if self.d_qk not in (576, 512):
-            raise ValueError(f"d_qk must be 576 (512 latent + 64 RoPE) or 512 (no RoPE part), got {self.d_qk}")
 
     @property
     def rows(self) -> int:

@@ -80,10 +80,10 @@ def experiment(rewrite: Callable[[DenseSplitConfig], DenseSplitConfig]):
 
 
 def _dense_split(dtype: str, s_q: int, h_q: int, h_kv: int, causal: bool, page: int, cluster_ctas: int,
-                 evict_first: bool, d_qk: int = 576) -> DenseSplitConfig:
+                 evict_first: bool) -> DenseSplitConfig:
     m_tiles = m_tiles_for(s_q, h_q, h_kv)
     cfg = DenseSplitConfig(dtype, s_q, h_q // h_kv, h_kv, causal, page, cluster_ctas,
-                           cross_term_first=m_tiles == 1 or cluster_ctas > 1, evict_first=evict_first, d_qk=d_qk)
+                           cross_term_first=m_tiles == 1 or cluster_ctas > 1, evict_first=evict_first)
     rewrite = _experiment.get()
     return rewrite(cfg) if rewrite is not None else cfg
 
@@ -137,32 +137,31 @@ def _dense_combine(schedule: DenseDecodeSchedule, dtype: str, s_q: int, group: i
     return CombineConfig(dtype, group, s_q, False, schedule.combine_chunked_batch, schedule.combine_spread_partials)
 
 
-def _quad_kept(dtype: str, s_q: int, h_q: int, h_kv: int, causal: bool, page: int, d_qk: int) -> bool:
+def _quad_kept(dtype: str, s_q: int, h_q: int, h_kv: int, causal: bool, page: int) -> bool:
     """Whether the split config of 4-CTA clusters stays one after the experiment in force (one that takes the
     clusters apart plans as the kernel it builds: pairs)."""
-    return _dense_split(dtype, s_q, h_q, h_kv, causal, page, 4, False, d_qk).cluster_ctas == 4
+    return _dense_split(dtype, s_q, h_q, h_kv, causal, page, 4, False).cluster_ctas == 4
 
 
 def resolve_dense(schedule: DenseDecodeSchedule, *, dtype: str, s_q: int, h_q: int, h_kv: int, causal: bool,
-                  page: int, device: DeviceFacts = HOPPER, host_lengths=None, d_qk: int = 576) -> DenseCall:
+                  page: int, device: DeviceFacts = HOPPER, host_lengths=None) -> DenseCall:
     """The dense call's kernels and plan.  ``host_lengths``: the requests' lengths on the host (the first call
     with a metadata object has read them), else None (a plan the host does not know, as in a CUDA graph
-    capture).  ``d_qk``: q's and the cache's head_dim, 576 or 512 (the plan is the same for both).  Rules: pairs
-    where the shape allows them (``dense_cluster_options``), 4-CTA clusters for plans whose busiest part reads
-    at least ``quad_multicast_tiles`` tiles, evict-first loads for plans whose busiest part reads at most
-    ``evict_first_tiles``, the cross term first with one M tile or any cluster, the combine left out where the
-    plan splits no request."""
+    capture).  Rules: pairs where the shape allows them (``dense_cluster_options``), 4-CTA clusters for plans
+    whose busiest part reads at least ``quad_multicast_tiles`` tiles, evict-first loads for plans whose busiest
+    part reads at most ``evict_first_tiles``, the cross term first with one M tile or any cluster, the
+    combine left out where the plan splits no request."""
     causal = causal and s_q > 1
     options = dense_cluster_options(s_q, h_q, h_kv)
     pairs = options[0]
     combine = _dense_combine(schedule, dtype, s_q, h_q // h_kv)
     capture_parts, capture_fill, capture_sched = _dense_plan(schedule, device, s_q, h_q, h_kv, pairs)
-    capture = DenseStepConfig(_dense_split(dtype, s_q, h_q, h_kv, causal, page, pairs, False, d_qk), combine, True,
+    capture = DenseStepConfig(_dense_split(dtype, s_q, h_q, h_kv, causal, page, pairs, False), combine, True,
                               capture_fill > 0)
     if host_lengths is None:
         return DenseCall(capture, capture, capture_parts, capture_fill, capture_sched)
     ctas = pairs
-    if 4 in options and _quad_kept(dtype, s_q, h_q, h_kv, causal, page, d_qk):
+    if 4 in options and _quad_kept(dtype, s_q, h_q, h_kv, causal, page):
         quad_parts, _ = _dense_parts(schedule, device, s_q, h_q, h_kv, 4)
         quad_policy = schedule.plan_policy(s_q * (h_q // h_kv))  # planned without the fill parts
         if plan_facts(host_lengths, quad_parts, 64, *quad_policy)[1] >= schedule.quad_multicast_tiles:
@@ -170,13 +169,12 @@ def resolve_dense(schedule: DenseDecodeSchedule, *, dtype: str, s_q: int, h_q: i
     parts, fill, sched = _dense_plan(schedule, device, s_q, h_q, h_kv, ctas)
     split, busiest = plan_facts(host_lengths, parts, 64, *sched.policy())
     evict = busiest <= schedule.evict_first_tiles
-    step = DenseStepConfig(_dense_split(dtype, s_q, h_q, h_kv, causal, page, ctas, evict, d_qk), combine, split,
-                           fill > 0)
+    step = DenseStepConfig(_dense_split(dtype, s_q, h_q, h_kv, causal, page, ctas, evict), combine, split, fill > 0)
     return DenseCall(step, capture, parts, fill, sched)
 
 
 def dense_precompile_steps(schedule: DenseDecodeSchedule, *, dtype: str, s_q: int, h_q: int, h_kv: int,
-                           causal: bool, page: int, device: DeviceFacts = HOPPER, d_qk: int = 576) -> list:
+                           causal: bool, page: int, device: DeviceFacts = HOPPER) -> list:
     """Every (step, scheduler) a call of this shape can resolve to, for ``precompile``: each cluster size the
     shape allows, normal and evict-first loads (a 4-CTA plan's fill parts can bring its busiest part under
     ``evict_first_tiles``), with and without the combine."""
@@ -184,11 +182,11 @@ def dense_precompile_steps(schedule: DenseDecodeSchedule, *, dtype: str, s_q: in
     combine = _dense_combine(schedule, dtype, s_q, h_q // h_kv)
     out = []
     for ctas in dense_cluster_options(s_q, h_q, h_kv):
-        if ctas == 4 and not _quad_kept(dtype, s_q, h_q, h_kv, causal, page, d_qk):
+        if ctas == 4 and not _quad_kept(dtype, s_q, h_q, h_kv, causal, page):
             continue
         _, fill, sched = _dense_plan(schedule, device, s_q, h_q, h_kv, ctas)
         for evict in (False, True):
-            split = _dense_split(dtype, s_q, h_q, h_kv, causal, page, ctas, evict, d_qk)
+            split = _dense_split(dtype, s_q, h_q, h_kv, causal, page, ctas, evict)
             for with_combine in (True, False):
                 out.append((DenseStepConfig(split, combine, with_combine, fill > 0), sched))
     return list(dict.fromkeys(out))
@@ -273,14 +271,13 @@ def _pieces_bound(schedule, max_tiles: int) -> int:
 
 
 def resolve_dense_invariant(schedule: DenseDecodeSchedule, *, dtype: str, s_q: int, h_q: int, h_kv: int,
-                            causal: bool, page: int, table_tiles: int, device: DeviceFacts = HOPPER,
-                            d_qk: int = 576) -> InvariantCall:
+                            causal: bool, page: int, table_tiles: int, device: DeviceFacts = HOPPER
+                            ) -> InvariantCall:
     """The batch-invariant dense call: ``resolve_dense``'s step of a plan the host does not know (no choice
     made from the lengths), with the combine on its unchunked path (whose choice depends on the batch size);
     ``table_tiles``: the 64-token tiles a block-table row covers."""
     fixed = dataclasses.replace(schedule, combine_chunked_batch=0, combine_spread_partials=0)
-    call = resolve_dense(fixed, dtype=dtype, s_q=s_q, h_q=h_q, h_kv=h_kv, causal=causal, page=page, device=device,
-                         d_qk=d_qk)
+    call = resolve_dense(fixed, dtype=dtype, s_q=s_q, h_q=h_q, h_kv=h_kv, causal=causal, page=page, device=device)
     return InvariantCall(call.capture_step, _pieces_bound(schedule, table_tiles), schedule.invariant_piece_blocks,
                          schedule.invariant_max_pieces)
 

@@ -8,7 +8,7 @@ a Hopper GPU, from the project root):
 (without ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: memcheck then flags bulk copies across the
 allocator's mappings).  ``python tests/sanitize_calls.py NAME...`` runs some of them; ``--list`` names them.  Each
 call runs once after its kernels were built (compile outside the sanitizer first with a plain run: the disk cache
-keeps them).  Kernels: the dense split kernel (pairs, grouped heads, 512-feature rows), the scheduler and the
+keeps them).  Kernels: the dense split kernel (pairs, grouped heads), the scheduler and the
 combine; the sparse decode kernel per cache format, with one and two caches; sparse prefill over bf16 rows (d_qk
 576 and 512) and over the paged FP8 cache; the cache writer per format; the merge.  Every call's outputs are
 checked for NaN (none is expected: the inputs' NaN lie only where no call reads)."""
@@ -28,8 +28,8 @@ import mla_cute  # noqa: E402
 from mla_cute.kv_formats import HEAD_DIM  # noqa: E402
 
 
-def _dense(s_q, h_q, h_kv, d_qk=576, **kw):
-    case = make_dense_case(4, s_q, 700, h_q, h_kv, varlen=True, d_qk=d_qk, **kw)
+def _dense(s_q, h_q, h_kv, **kw):
+    case = make_dense_case(4, s_q, 700, h_q, h_kv, varlen=True, **kw)
     meta, _ = mla_cute.get_mla_metadata()
     mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta, causal=s_q > 1)
     # A used entry outside the cache, written after the first call's checks (the next call replays the plan): the
@@ -81,7 +81,6 @@ CALLS = {
     "dense_pairs": lambda: _dense(1, 128, 1),
     "dense_grouped_causal": lambda: _dense(2, 64, 2),
     "dense_fp16_odd_heads": lambda: _dense(3, 9, 3, dtype=torch.float16),
-    "dense_512": lambda: _dense(2, 128, 1, d_qk=512),
     **{f"sparse_{fmt}": (lambda fmt=fmt: _sparse(fmt)) for fmt in ("V32", "V32_NO_ROPE", "V4", "V41", "V41_PAGED")},
     "sparse_V4_extra_V4": lambda: _sparse("V4", "V4"),
     "sparse_V41_extra_V41_FP4": lambda: _sparse("V41", "V41_FP4"),

@@ -81,11 +81,6 @@ def test_dense_request_bits_do_not_depend_on_the_batch(s_q, h_q, h_kv, causal):
     _check_invariant(case, len(DENSE_LENGTHS), causal, reference_tol=(8e-4, 2.01 / 128, 5e-6, 1e-6, 8.01 / 65536))
 
 
-def test_dense_head_dim_512_and_fp16():
-    case = make_dense_case(4, 2, 0, 128, 1, lengths=[4000, 0, 9000, 70], d_qk=512, dtype=torch.float16)
-    _check_invariant(case, 4, True)
-
-
 @pytest.mark.parametrize("fmt,h_q", [("V32", 128), ("V32", 64), ("V4", 64)])
 def test_sparse_request_bits_do_not_depend_on_the_batch(fmt, h_q):
     sink = torch.randn(h_q) * 2

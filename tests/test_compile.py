@@ -171,25 +171,6 @@ def test_dense_seesaw_splits_tiles_into_sub_tile_copies_without_spills(s_q, h_q,
     _check_register_split(ptx, regs, inc_warpgroups=2)
 
 
-@pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal", [("bfloat16", 1, 128, 1, False), ("float16", 2, 64, 2, True)])
-def test_dense_seesaw_reads_512_feature_rows_without_rope(dtype, s_q, h_q, h_kv, causal, capfd):
-    """``d_qk`` 512 (no RoPE part): Q's copy is 64 x 512, each tile arrives as 8 sub-tiles, S = Q K^T takes all
-    of Q from shared memory (32 k-blocks a tile, no register-A form but P's), and the build stays clean."""
-    from mla_cute.kernels.build import compile_dense
-
-    step = _dense_step(dtype, s_q, h_q, h_kv, causal, d_qk=512)
-    ptx = compile_dense(step, options=OPTIONS).__ptx__
-    # 8 sub-tile copies a tile: a request's first two tiles, then the refills, never a ninth sub-tile.
-    assert ptx.count("cp.async.bulk.tensor") >= 1 + 8 + 8
-    assert ptx.count("wgmma.mma_async") >= 4 * 32
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    err = capfd.readouterr().err
-    _assert_wgmma_not_serialized(err)
-    spills, regs = _ptxas_report(err)
-    assert spills and all(sp == (0, 0, 0) for sp in spills), f"stack frame / spills: {spills}"
-    assert max(regs) <= 168, f"registers {regs} exceed the 384-thread, 1-CTA budget"
-
-
 @pytest.mark.parametrize("evict_first", [False, True])
 def test_dense_tile_multicast_loads_each_sub_tile_once_for_the_pair(evict_first, capfd):
     """``cluster_ctas=2``: a 2-CTA cluster, each CTA loading half of every sub-tile into both (TMA

@@ -1,13 +1,12 @@
 """Dense decode with head_dim 512 (a K head without a RoPE part: q and the 16-bit cache hold 512 features, V is the
-whole row) on the reference backend against a float64 oracle, and its argument rules.  The kernel's checks are in
-``test_dense_decode_gpu.py`` (``test_dense_512_feature_rows``) and ``test_compile.py``."""
+whole row) on the reference backend against a float64 oracle, and its argument rules; the cute backend refuses it
+by name (its kernel reads 576-feature rows)."""
 
 import math
 
 import pytest
 import torch
 
-import mla_cute
 from mla_cute import flash_mla_with_kvcache, get_mla_metadata
 
 
@@ -97,7 +96,12 @@ def test_metadata_of_one_head_dim_refused_for_another():
         flash_mla_with_kvcache(q.half(), k.half(), table, lengths, 512, meta)
 
 
-@pytest.mark.parametrize("d_qk", [448, True, "512"])
-def test_precompile_refuses_other_dense_head_dims(d_qk):
-    with pytest.raises(ValueError, match="d_qk must be 576 or 512"):
-        mla_cute.precompile([dict(dtype=torch.bfloat16, s_q=1, h_q=16, h_kv=1, d_qk=d_qk)])
+def test_cute_backend_refuses_512_by_name(monkeypatch):
+    import mla_cute.api as api
+
+    monkeypatch.setattr(api, "select_backend", lambda device, backend=None: "cute")
+    q, k, table, lengths = _case()
+    meta = get_mla_metadata()[0]
+    with pytest.raises(NotImplementedError, match="q and k_cache: the 'cute' dense kernel reads rows of 576 features"):
+        flash_mla_with_kvcache(q, k, table, lengths, 512, meta)
+    assert not meta.have_initialized

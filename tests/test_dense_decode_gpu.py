@@ -245,53 +245,6 @@ def test_dense_grid(b, s_q, s_k, h_q, h_kv, varlen, causal):
     run_and_check(case, s_q, causal)
 
 
-# Rows of 512 features (no RoPE part): every dense feature (s_q > 1, causal, h_kv > 1, split requests, both dtypes,
-# pages of 128, empty requests) on the 512-feature kernel.
-D512_CASES = [
-    # b, s_q, s_k, h_q, h_kv, varlen, causal, page, dtype
-    (2, 1, 140, 128, 1, False, False, 64, torch.bfloat16),
-    (64, 1, 4096, 128, 1, True, False, 64, torch.bfloat16),
-    (64, 2, 4096, 128, 1, True, True, 64, torch.float16),
-    (6, 4, 1000, 64, 2, True, True, 128, torch.bfloat16),
-    (2, 2, 20, 9, 3, False, True, 64, torch.float16),
-    (1, 1, 65536, 128, 1, False, False, 64, torch.bfloat16),
-    (8, 2, 16384, 16, 1, True, False, 64, torch.bfloat16),
-]
-
-
-@pytest.mark.parametrize("b,s_q,s_k,h_q,h_kv,varlen,causal,page,dtype", D512_CASES)
-def test_dense_512_feature_rows(b, s_q, s_k, h_q, h_kv, varlen, causal, page, dtype):
-    gen = torch.Generator().manual_seed(hash((b, s_q, s_k, h_q, h_kv, varlen, causal, page)) % 2**31)
-    case = make_dense_case(b, s_q, s_k, h_q, h_kv, varlen=varlen, page=page, dtype=dtype, gen=gen, d_qk=512,
-                           zero_half=b >= 6)
-    run_and_check(case, s_q, causal, reuse=2)
-
-
-def test_dense_512_feature_rows_in_a_cuda_graph():
-    """Captured once with the metadata made inside the capture, replayed after the lengths change in place."""
-    import mla_cute
-
-    case = make_dense_case(16, 2, 2048, 128, 1, varlen=True, d_qk=512)
-    lens = case["cache_seqlens"]
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            meta, _ = mla_cute.get_mla_metadata()
-            out, lse = mla_cute.flash_mla_with_kvcache(**case, head_dim_v=512, tile_scheduler_metadata=meta,
-                                                       causal=True)
-    full = lens.clone()
-    for new in ((full // 2).flip(0).minimum(full), full // 3):  # within each request's pages, one empty
-        lens.copy_(new)
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_out, ref_lse = mla_cute.flash_mla_with_kvcache(
-            **case, head_dim_v=512, tile_scheduler_metadata=mla_cute.get_mla_metadata()[0], causal=True,
-            backend="reference")
-        assert_close_flashmla("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS)
-        assert_close_flashmla("lse", lse, ref_lse, LSE_ABS, LSE_REL)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_lengths_zero(dtype):
     case = make_dense_case(128, 2, 4096, 128, 1, varlen=True, zero_half=True, dtype=dtype)

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..device import device_facts, num_sms
+from ..fp8 import D_QK
 from ..kv_formats import BYTES_PER_TOKEN, PAGE_BLOCKED, page_rows
 from ..validation import sink_presence_error
 from ..schedules.configs import WriteCacheConfig
@@ -65,6 +66,9 @@ def query_rows(q: torch.Tensor, h_kv: int) -> torch.Tensor:
 def check_supported(k_cache: torch.Tensor, is_fp8_kvcache: bool, planned: bool = True) -> None:
     """What the dense kernels read; the 656-byte FP8 cache through the sparse kernel (``dense_positions``), on a
     plan of its own (``planned``: with a metadata object, not a plan given as tensors)."""
+    if k_cache.shape[-1] != D_QK and not is_fp8_kvcache:
+        raise NotImplementedError(f"q and k_cache: the 'cute' dense kernel reads rows of {D_QK} features, got head_dim "
+                                  f"{k_cache.shape[-1]} (backend='reference' runs it)")
     if is_fp8_kvcache and k_cache.shape[-1] == 656 and planned:
         check_sparse_supported(k_cache, "V32")
         return
@@ -161,7 +165,7 @@ class DensePlan:
         # step of a plan the host does not know is loaded in any case, for a CUDA graph captured later.
         call = self.config = resolve_dense(schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=s_q, h_q=h_q,
                                            h_kv=h_kv, causal=causal, page=page, device=device_facts(q.device),
-                                           host_lengths=host_lengths, d_qk=self.d_qk)
+                                           host_lengths=host_lengths)
         # The capture step too (for a CUDA graph captured later) and the scheduler (run below): any of them that
         # are cold build at once.
         _, self.step = compile_all([(compile_dense, call.capture_step), (compile_dense, call.step),
@@ -182,7 +186,7 @@ class DensePlan:
         max_len = block_table.shape[1] * page
         call = self.config = resolve_dense_invariant(
             self.schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=self.s_q, h_q=self.h_q, h_kv=self.h_kv,
-            causal=causal, page=page, table_tiles=-(-max_len // 64), device=device_facts(q.device), d_qk=self.d_qk)
+            causal=causal, page=page, table_tiles=-(-max_len // 64), device=device_facts(q.device))
         self.step = compile_dense(call.step)
         meta.tile_scheduler_metadata, meta.num_splits = invariant_plan(
             served_lengths("dense", cache_seqlens, max_len), call.piece_blocks, call.max_pieces, call.pieces_bound)
@@ -294,16 +298,16 @@ def dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, ca
     FlashMLA does: inside CUDA graphs sharing a memory pool, the largest batch's)."""
     from ..kernels.build import compile_dense
 
-    b, s_q, h_q, d_qk = q.shape
+    b, s_q, h_q, _ = q.shape
     page, h_kv = k_cache.shape[1], k_cache.shape[2]
 
     def make():
         call = resolve_dense(schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=s_q, h_q=h_q, h_kv=h_kv,
-                             causal=causal, page=page, device=device_facts(q.device), d_qk=d_qk)
+                             causal=causal, page=page, device=device_facts(q.device))
         assert call.fill_parts == 0  # the plan of unknown lengths has no fill parts (``dense_tensor_plan``)
         return compile_dense(call.capture_step), call.parts
 
-    step, parts = _given_step(("dense", q.dtype, s_q, h_q, h_kv, causal, page, schedule, q.device, d_qk), make)
+    step, parts = _given_step(("dense", q.dtype, s_q, h_q, h_kv, causal, page, schedule, q.device), make)
     o_accum, lse_accum = _partials(b, parts, h_kv, s_q * (h_q // h_kv), q.device)
     out, lse = decode_outputs(b, s_q, h_q, q.dtype, q.device, out)
     step(query_rows(q, h_kv), k_cache, *kernel_tables(block_table, cache_seqlens), records, num_splits, out, lse,
@@ -311,7 +315,7 @@ def dense_decode_given(q, k_cache, block_table, cache_seqlens, softmax_scale, ca
     return out, lse
 
 
-def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeSchedule, d_qk: int = 576,
+def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeSchedule,
                      invariant: bool = False) -> None:
     """Every step and scheduler a call of this configuration can resolve to (``dense_precompile_steps``; with
     ``invariant``, the one step of ``enable_batch_invariant=True``)."""
@@ -321,10 +325,10 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
     if invariant:
         compile_dense(resolve_dense_invariant(schedule, dtype=str(dtype).replace("torch.", ""), s_q=s_q, h_q=h_q,
                                               h_kv=h_kv, causal=causal, page=page, table_tiles=1,
-                                              device=device_facts(device), d_qk=d_qk).step)
+                                              device=device_facts(device)).step)
         return
     steps = dense_precompile_steps(schedule, dtype=str(dtype).replace("torch.", ""), s_q=s_q, h_q=h_q, h_kv=h_kv,
-                                   causal=causal, page=page, device=device_facts(device), d_qk=d_qk)
+                                   causal=causal, page=page, device=device_facts(device))
     compile_all([(compile_dense, step) for step, _ in steps] + [(compile_scheduler, sched) for _, sched in steps])
 
 

@@ -298,7 +298,7 @@ def fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, block_table, ca
     dtype = "bfloat16" if q.dtype == torch.float8_e4m3fn else str(q.dtype).replace("torch.", "")
     call = resolve_dense(schedule, dtype=dtype, s_q=q.shape[1], h_q=q.shape[2],
                          h_kv=k_cache.shape[2], causal=causal, page=k_cache.shape[1], device=device_facts(q.device),
-                         host_lengths=host_lengths, d_qk=q.shape[3])
+                         host_lengths=host_lengths)
     records, splits = plan_splits(cache_seqlens, call.parts, 64, *call.scheduler.policy())
     meta.tile_scheduler_metadata = records.to(q.device)
     meta.num_splits = splits.to(q.device)
