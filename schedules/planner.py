@@ -129,6 +129,18 @@ def invariant_pieces(tiles: int, piece_blocks: int, max_pieces: int) -> int:
     return min(max(-(-tiles // piece_blocks), 1), max_pieces)
 
 
+def call_invariant_plan(schedule, kind: str, lens, max_len: int, extra=None, extra_max: int = 0
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call's batch-invariant plan (``invariant_plan``): ``lens`` (and ``extra``) read as the kernel serves them
+    (``served_lengths`` ``kind``), the pieces bound the longest request the shapes allow (``max_len`` tokens, over
+    two caches its whole tiles and ``extra_max``), the piece size and count the ``schedule``'s.  The partials it
+    needs: one a record."""
+    most = max_len if kind != "two_caches" else -(-max_len // 64) * 64 + extra_max
+    blocks, pieces = schedule.invariant_piece_blocks, schedule.invariant_max_pieces
+    return invariant_plan(served_lengths(kind, lens, max_len, extra, extra_max), blocks, pieces,
+                          invariant_pieces(-(-most // 64), blocks, pieces))
+
+
 def invariant_plan(lengths: torch.Tensor, piece_blocks: int, max_pieces: int, pieces_bound: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch-invariant plan (module docstring) over ``lengths``, int ``[b]`` tokens as the kernel serves them

@@ -14,8 +14,7 @@ from typing import Callable, Optional
 from .configs import (CombineConfig, DenseSplitConfig, DenseStepConfig, SchedulerConfig, SparsePrefillConfig,
                       SparseSplitConfig, SparseStepConfig)
 from .dense import DenseDecodeSchedule
-from .planner import (invariant_pieces, m_tiles_for, num_sm_parts_for, plan_facts, plan_has_split,
-                      sparse_num_sm_parts_for)
+from .planner import m_tiles_for, num_sm_parts_for, plan_facts, plan_has_split, sparse_num_sm_parts_for
 from .sparse import SparseDecodeSchedule
 
 # The seesaw kernel's shared storage (``kernels/dense_seesaw.py``, ``SharedStorage``; a compile test checks
@@ -253,45 +252,25 @@ def sparse_precompile_steps(schedule: SparseDecodeSchedule, *, s_q: int, h_q: in
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class InvariantCall:
-    """A batch-invariant decode call resolved (``enable_batch_invariant=True``): the one step every batch size
-    runs (with the combine, on one combine path) and the bound on a request's pieces, which sizes the plan
-    (``planner.invariant_plan``: ``b * pieces_bound`` parts) and the workspace."""
-
-    step: object  # DenseStepConfig or SparseStepConfig
-    pieces_bound: int
-    piece_blocks: int
-    max_pieces: int
-
-
-def _pieces_bound(schedule, max_tiles: int) -> int:
-    """The most pieces a request of at most ``max_tiles`` tiles takes (``planner.invariant_pieces``)."""
-    return invariant_pieces(max(max_tiles, 1), schedule.invariant_piece_blocks, schedule.invariant_max_pieces)
-
-
 def resolve_dense_invariant(schedule: DenseDecodeSchedule, *, dtype: str, s_q: int, h_q: int, h_kv: int,
-                            causal: bool, page: int, table_tiles: int, device: DeviceFacts = HOPPER
-                            ) -> InvariantCall:
-    """The batch-invariant dense call: ``resolve_dense``'s step of a plan the host does not know (no choice
-    made from the lengths), with the combine on its unchunked path (whose choice depends on the batch size);
-    ``table_tiles``: the 64-token tiles a block-table row covers."""
+                            causal: bool, page: int, device: DeviceFacts = HOPPER) -> DenseStepConfig:
+    """The step every batch size of a batch-invariant dense call runs (``enable_batch_invariant=True``; its plan:
+    ``planner.call_invariant_plan``): ``resolve_dense``'s step of a plan the host does not know (no choice made
+    from the lengths), with the combine on its unchunked path (whose choice depends on the batch size)."""
     fixed = dataclasses.replace(schedule, combine_chunked_batch=0, combine_spread_partials=0)
     call = resolve_dense(fixed, dtype=dtype, s_q=s_q, h_q=h_q, h_kv=h_kv, causal=causal, page=page, device=device)
-    return InvariantCall(call.capture_step, _pieces_bound(schedule, table_tiles), schedule.invariant_piece_blocks,
-                         schedule.invariant_max_pieces)
+    return call.capture_step
 
 
-def resolve_sparse_invariant(schedule: SparseDecodeSchedule, *, s_q: int, h_q: int, topk: int, has_sink: bool,
-                             has_topk_length: bool, kv_format: str = "V32", extra_cache: str = "") -> InvariantCall:
-    """The batch-invariant sparse call: the kernel of plans that are not small (fp32 partials; a small plan is a
-    batch-size fact), with the combine on its unchunked path; ``topk`` as ``resolve_sparse`` takes it."""
+def resolve_sparse_invariant(schedule: SparseDecodeSchedule, *, s_q: int, h_q: int, has_sink: bool,
+                             has_topk_length: bool, kv_format: str = "V32", extra_cache: str = "") -> SparseStepConfig:
+    """The step every batch size of a batch-invariant sparse call runs: the kernel of plans that are not small (fp32
+    partials; a small plan is a batch-size fact), with the combine on its unchunked path."""
     if extra_cache and not has_topk_length:
         raise ValueError("extra_cache: the kernel reads both caches' lengths; pass has_topk_length=True")
     fixed = dataclasses.replace(schedule, small_plan_tiles=0, combine_chunked_batch=0, combine_spread_partials=0)
     split, combine, _ = _sparse_kernels(fixed, s_q, h_q, has_sink, has_topk_length, False, kv_format, extra_cache)
-    return InvariantCall(SparseStepConfig(split, combine, True), _pieces_bound(schedule, -(-topk // 64)),
-                         schedule.invariant_piece_blocks, schedule.invariant_max_pieces)
+    return SparseStepConfig(split, combine, True)
 
 
 @functools.lru_cache(maxsize=64)

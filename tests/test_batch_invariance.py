@@ -12,7 +12,7 @@ import torch
 
 import mla_cute
 from mla_cute.schedules import (DEFAULT_DENSE_SCHEDULE, DEFAULT_SPARSE_SCHEDULE, RECORD_FIELDS, DenseDecodeSchedule,
-                                SparseDecodeSchedule, invariant_plan, resolve_dense_invariant,
+                                SparseDecodeSchedule, call_invariant_plan, invariant_plan, resolve_dense_invariant,
                                 resolve_sparse_invariant)
 from mla_cute.schedules.planner import invariant_pieces
 
@@ -81,18 +81,27 @@ def test_schedules_refuse_bad_invariant_fields(kind, field, value):
 
 def test_every_batch_resolves_to_one_step():
     """The step is a shape fact (no lengths, no batch size): one combine path, a sparse kernel of plans that are not
-    small (whose choice depends on b), fp32 partials; the pieces bound from the longest request a call holds."""
-    dense = [resolve_dense_invariant(DEFAULT_DENSE_SCHEDULE, dtype="bfloat16", s_q=s_q, h_q=128, h_kv=1,
-                                     causal=True, page=64, table_tiles=tiles) for s_q, tiles in ((2, 512), (2, 64))]
-    assert dense[0].step == dense[1].step and dense[0].step.with_combine
-    assert dense[0].step.combine.chunked_batch == 0 and not dense[0].step.fill
-    assert (dense[0].pieces_bound, dense[1].pieces_bound) == (8, 2)
-    sparse = resolve_sparse_invariant(DEFAULT_SPARSE_SCHEDULE, s_q=2, h_q=64, topk=2048, has_sink=True,
-                                      has_topk_length=True)
-    assert not sparse.step.split.partials_16bit and sparse.step.with_combine and sparse.pieces_bound == 4
-    two = resolve_sparse_invariant(DEFAULT_SPARSE_SCHEDULE, s_q=2, h_q=64, topk=128 + 512, has_sink=True,
-                                   has_topk_length=True, kv_format="V4", extra_cache="V4")
-    assert two.pieces_bound == 2 and two.step.split.extra_cache == "V4"
+    small (whose choice depends on b), fp32 partials."""
+    dense = resolve_dense_invariant(DEFAULT_DENSE_SCHEDULE, dtype="bfloat16", s_q=2, h_q=128, h_kv=1, causal=True,
+                                    page=64)
+    assert dense.with_combine and dense.combine.chunked_batch == 0 and not dense.fill
+    sparse = resolve_sparse_invariant(DEFAULT_SPARSE_SCHEDULE, s_q=2, h_q=64, has_sink=True, has_topk_length=True)
+    assert not sparse.split.partials_16bit and sparse.with_combine and sparse.combine.chunked_batch == 0
+    two = resolve_sparse_invariant(DEFAULT_SPARSE_SCHEDULE, s_q=2, h_q=64, has_sink=True, has_topk_length=True,
+                                   kv_format="V4", extra_cache="V4")
+    assert two.split.extra_cache == "V4" and not two.split.partials_16bit
+
+
+def test_a_calls_plan_bounds_pieces_by_its_longest_request():
+    """``call_invariant_plan``: the parts a request, from the longest request the shapes allow (a block-table row;
+    topk; over two caches the main topk's whole tiles and the extra topk)."""
+    lens = torch.tensor([100, 40000], dtype=torch.int32)
+    assert call_invariant_plan(DEFAULT_DENSE_SCHEDULE, "dense", lens, 512 * 64)[0].shape == (2 * 8, 8)
+    assert call_invariant_plan(DEFAULT_DENSE_SCHEDULE, "dense", lens, 64 * 64)[0].shape == (2 * 2, 8)
+    assert call_invariant_plan(DEFAULT_SPARSE_SCHEDULE, "topk", lens, 2048)[0].shape == (2 * 4, 8)
+    records, splits = call_invariant_plan(DEFAULT_SPARSE_SCHEDULE, "two_caches", torch.tensor([5, 128]), 128,
+                                          torch.tensor([512, 1]), 512)
+    assert records.shape == (2 * 2, 8) and splits.tolist() == [0, 2, 3]
 
 
 # ------------------------------------------------------------------------------------ the public call
@@ -253,8 +262,8 @@ def test_precompile_builds_the_invariant_steps(recorder):
                                 batch_invariant=True)]) == 2
     dense, sparse = recorder["compiled"]
     assert dense == resolve_dense_invariant(DEFAULT_DENSE_SCHEDULE, dtype="bfloat16", s_q=2, h_q=128, h_kv=1,
-                                            causal=True, page=64, table_tiles=1).step
-    assert sparse == resolve_sparse_invariant(DEFAULT_SPARSE_SCHEDULE, s_q=2, h_q=64, topk=640, has_sink=True,
-                                              has_topk_length=True, kv_format="V4", extra_cache="V4").step
+                                            causal=True, page=64)
+    assert sparse == resolve_sparse_invariant(DEFAULT_SPARSE_SCHEDULE, s_q=2, h_q=64, has_sink=True,
+                                              has_topk_length=True, kv_format="V4", extra_cache="V4")
     with pytest.raises(TypeError, match="batch_invariant must be a bool"):
         api.precompile([dict(sparse=True, s_q=1, h_q=64, batch_invariant=1)])

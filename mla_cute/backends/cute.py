@@ -20,7 +20,7 @@ from ..kv_formats import BYTES_PER_TOKEN, PAGE_BLOCKED, page_rows
 from ..validation import sink_presence_error
 from ..schedules.configs import WriteCacheConfig
 from ..schedules.dense import DenseDecodeSchedule
-from ..schedules.planner import invariant_plan, served_lengths, whole_token_plan
+from ..schedules.planner import call_invariant_plan, whole_token_plan
 from ..schedules.resolve import (DeviceFacts, dense_precompile_steps, dense_tensor_plan, resolve_dense,
                                 resolve_dense_invariant, resolve_sparse, resolve_sparse_invariant,
                                 resolve_sparse_prefill, resolve_sparse_prefill_fp8, sparse_precompile_steps,
@@ -183,21 +183,20 @@ class DensePlan:
         by its own length (``planner.invariant_plan``, torch operations on the lengths' device)."""
         from ..kernels.build import compile_dense
 
-        max_len = block_table.shape[1] * page
-        call = self.config = resolve_dense_invariant(
+        step = self.config = resolve_dense_invariant(
             self.schedule, dtype=str(q.dtype).replace("torch.", ""), s_q=self.s_q, h_q=self.h_q, h_kv=self.h_kv,
-            causal=causal, page=page, table_tiles=-(-max_len // 64), device=device_facts(q.device))
-        self.step = compile_dense(call.step)
-        meta.tile_scheduler_metadata, meta.num_splits = invariant_plan(
-            served_lengths("dense", cache_seqlens, max_len), call.piece_blocks, call.max_pieces, call.pieces_bound)
-        self.o_accum, self.lse_accum = _invariant_partials(self.b, call.pieces_bound, self.h_kv,
+            causal=causal, page=page, device=device_facts(q.device))
+        self.step = compile_dense(step)
+        meta.tile_scheduler_metadata, meta.num_splits = call_invariant_plan(
+            self.schedule, "dense", cache_seqlens, block_table.shape[1] * page)
+        self.o_accum, self.lse_accum = _invariant_partials(meta.tile_scheduler_metadata, self.h_kv,
                                                            self.s_q * (self.h_q // self.h_kv), q.device)
         self.records = (meta.tile_scheduler_metadata,)
 
 
-def _invariant_partials(b: int, pieces_bound: int, h_kv: int, rows: int, device):
-    """A batch-invariant plan's partials: at most ``pieces_bound`` a request (fp32)."""
-    return _partials(b, b * (pieces_bound - 1), h_kv, rows, device)
+def _invariant_partials(records, h_kv: int, rows: int, device):
+    """A batch-invariant plan's partials (fp32): one a record (a request's pieces at most its records)."""
+    return _partials(0, records.shape[0], h_kv, rows, device)
 
 
 def dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, meta, first,
@@ -324,8 +323,7 @@ def precompile_dense(dtype, s_q, h_q, h_kv, causal, page, schedule: DenseDecodeS
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if invariant:
         compile_dense(resolve_dense_invariant(schedule, dtype=str(dtype).replace("torch.", ""), s_q=s_q, h_q=h_q,
-                                              h_kv=h_kv, causal=causal, page=page, table_tiles=1,
-                                              device=device_facts(device)).step)
+                                              h_kv=h_kv, causal=causal, page=page, device=device_facts(device)))
         return
     steps = dense_precompile_steps(schedule, dtype=str(dtype).replace("torch.", ""), s_q=s_q, h_q=h_q, h_kv=h_kv,
                                    causal=causal, page=page, device=device_facts(device))
@@ -505,15 +503,14 @@ class SparsePlan:
             self.full = (full_lengths(b, topk, q.device, capturing), full_lengths(b, extra_topk, q.device, capturing))
             main, more = self.lengths(topk_length, extra[3])
         if invariant:  # one step for every batch, each request cut by its own length (``planner.invariant_plan``)
-            inv = self.config = resolve_sparse_invariant(
-                schedule, s_q=s_q, h_q=h_q, topk=total, has_sink=has_sink, has_topk_length=given or extra is not None,
+            step = self.config = resolve_sparse_invariant(
+                schedule, s_q=s_q, h_q=h_q, has_sink=has_sink, has_topk_length=given or extra is not None,
                 kv_format=kv_format, extra_cache=extra[1] if extra is not None else "")
-            self.step = compile_sparse(inv.step)
-            lengths = (served_lengths("topk", main, topk) if extra is None
-                       else served_lengths("two_caches", main, topk, more, extra_topk))
-            meta.tile_scheduler_metadata, meta.num_splits = invariant_plan(lengths, inv.piece_blocks, inv.max_pieces,
-                                                                           inv.pieces_bound)
-            self.o_accum, self.lse_accum = _invariant_partials(b, inv.pieces_bound, 1, s_q * h_q, q.device)
+            self.step = compile_sparse(step)
+            meta.tile_scheduler_metadata, meta.num_splits = (
+                call_invariant_plan(schedule, "topk", main, topk) if extra is None
+                else call_invariant_plan(schedule, "two_caches", main, topk, more, extra_topk))
+            self.o_accum, self.lse_accum = _invariant_partials(meta.tile_scheduler_metadata, 1, s_q * h_q, q.device)
             return
         call = self.config = resolve_sparse(
             schedule, b=b, s_q=s_q, h_q=h_q, topk=total, has_sink=has_sink, has_topk_length=given or extra is not None,
@@ -680,9 +677,9 @@ def precompile_sparse(s_q, h_q, has_sink, schedule: SparseDecodeSchedule, has_to
     from ..kernels.build import compile_all, compile_scheduler, compile_sparse
 
     if invariant:
-        compile_sparse(resolve_sparse_invariant(schedule, s_q=s_q, h_q=h_q, topk=64, has_sink=has_sink,
+        compile_sparse(resolve_sparse_invariant(schedule, s_q=s_q, h_q=h_q, has_sink=has_sink,
                                                 has_topk_length=has_topk_length or bool(extra_cache),
-                                                kv_format=kv_format, extra_cache=extra_cache).step)
+                                                kv_format=kv_format, extra_cache=extra_cache))
         return
     steps = sparse_precompile_steps(schedule, s_q=s_q, h_q=h_q, has_sink=has_sink, has_topk_length=has_topk_length,
                                     kv_format=kv_format, extra_cache=extra_cache)

@@ -22,9 +22,8 @@ from ..device import device_facts
 from ..fp8 import D_QK, dequantize_kv_cache
 from ..metadata import FlashMLASchedMeta, bind_metadata, check_metadata, lengths_key, unbind_on_error
 from ..schedules import (DEFAULT_DENSE_SCHEDULE, DEFAULT_SPARSE_SCHEDULE, DenseDecodeSchedule, SparseDecodeSchedule,
-                         dense_tensor_plan, invariant_plan, plan_splits, resolve_dense, resolve_sparse, sparse_lengths,
-                         sparse_tensor_plan)
-from ..schedules.planner import invariant_pieces, served_lengths
+                         call_invariant_plan, dense_tensor_plan, plan_splits, resolve_dense, resolve_sparse,
+                         sparse_lengths, sparse_tensor_plan)
 from . import cute, reference
 from .operations import into_out
 
@@ -289,11 +288,8 @@ def fill_reference_metadata(meta: FlashMLASchedMeta, q, k_cache, block_table, ca
                             host_lengths, invariant: bool = False) -> None:
     """Give reference users the same metadata tensors the kernels would use."""
     if invariant:
-        max_len = block_table.shape[1] * k_cache.shape[1]
-        bound = invariant_pieces(-(-max_len // 64), schedule.invariant_piece_blocks, schedule.invariant_max_pieces)
-        meta.tile_scheduler_metadata, meta.num_splits = invariant_plan(
-            served_lengths("dense", cache_seqlens, max_len), schedule.invariant_piece_blocks,
-            schedule.invariant_max_pieces, bound)
+        meta.tile_scheduler_metadata, meta.num_splits = call_invariant_plan(
+            schedule, "dense", cache_seqlens, block_table.shape[1] * k_cache.shape[1])
         return
     dtype = "bfloat16" if q.dtype == torch.float8_e4m3fn else str(q.dtype).replace("torch.", "")
     call = resolve_dense(schedule, dtype=dtype, s_q=q.shape[1], h_q=q.shape[2],
@@ -439,15 +435,12 @@ def fill_sparse_reference_metadata(meta: FlashMLASchedMeta, q, topk: int, topk_l
     if invariant:
         given = topk_length if topk_length is not None else torch.full((b,), topk, dtype=torch.int32)
         if extra is None:
-            lengths, total = served_lengths("topk", given, topk), topk
+            records, splits = call_invariant_plan(schedule, "topk", given, topk)
         else:
             extra_topk = extra[2].shape[-1]
             more = extra[3] if extra[3] is not None else torch.full((b,), extra_topk, dtype=torch.int32)
-            lengths = served_lengths("two_caches", given, topk, more.to(given.device), extra_topk)
-            total = -(-topk // 64) * 64 + extra_topk
-        bound = invariant_pieces(-(-total // 64), schedule.invariant_piece_blocks, schedule.invariant_max_pieces)
-        records, splits = invariant_plan(lengths.cpu(), schedule.invariant_piece_blocks,
-                                         schedule.invariant_max_pieces, bound)
+            records, splits = call_invariant_plan(schedule, "two_caches", given, topk, more.to(given.device),
+                                                  extra_topk)
         meta.tile_scheduler_metadata, meta.num_splits = records.to(q.device), splits.to(q.device)
         return
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
