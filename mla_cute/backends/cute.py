@@ -475,7 +475,7 @@ class SparsePlan:
     holds the lengths the kernel reads for a cache whose lengths the call leaves out (its topk each)."""
 
     __slots__ = ("schedule", "config", "step", "o_accum", "lse_accum", "b", "s_q", "h_q", "has_sink", "dtype", "facts",
-                 "kv_format", "extra_format", "full", "invariant")
+                 "kv_format", "extra_format", "full", "invariant", "views")
 
     def __init__(self, q, topk: int, topk_length, has_sink: bool, schedule: SparseDecodeSchedule, meta,
                  kv_format: str = "V32", extra=None, invariant: bool = False):
@@ -484,6 +484,7 @@ class SparsePlan:
         b, s_q, h_q, _ = q.shape
         self.schedule, self.b, self.s_q, self.h_q, self.has_sink, self.dtype = schedule, b, s_q, h_q, has_sink, q.dtype
         self.facts, self.kv_format, self.full, self.invariant = None, kv_format, None, invariant
+        self.views = [None, None]  # the last call's caches' words (``cache_view``)
         self.extra_format = extra[1] if extra is not None else None
         # Without topk_length every request has topk tokens: the kernel is built for that and loads no length
         # (the first call's choice holds for the metadata's later calls, as for attn_sink).  The step with the
@@ -529,6 +530,19 @@ class SparsePlan:
         if self.extra_format is None:
             return None
         return extra[0], self.extra_format, extra[1], extra[2]
+
+    def cache_view(self, slot: int, cache, kv_format: str) -> torch.Tensor:
+        """``cache_words`` of the main cache (``slot`` 0) or the extra one (1), kept from the last call made with
+        the same tensor at the same address, shape and strides (an engine passes its caches call after call; the
+        views cost more host time than the checks).  The plan holds the last tensors it was given until it is
+        dropped with its metadata object."""
+        held = self.views[slot]
+        if (held is not None and held[0] is cache and held[1] == cache.data_ptr() and held[2] == cache.shape
+                and held[3] == cache.stride()):
+            return held[4]
+        words = cache_words(cache, kv_format)
+        self.views[slot] = (cache, cache.data_ptr(), cache.shape, cache.stride(), words)
+        return words
 
     def lengths(self, topk_length, extra_topk_length):
         """The two caches' lengths the extra-cache kernel reads (the full ones where the call gives none)."""
@@ -580,21 +594,22 @@ def launch_sparse(plan: SparsePlan, q, k_cache, indices, topk_length, attn_sink,
     if extra is not None:
         extra_cache, extra_format, extra_indices, extra_topk_length = extra
         topk_length, extra_topk_length = plan.lengths(topk_length, extra_topk_length)
-        two = (cache_words(extra_cache, extra_format),
+        two = (plan.cache_view(1, extra_cache, extra_format),
                extra_indices if extra_indices.stride(-1) == 1 else extra_indices.contiguous(),
                extra_topk_length.contiguous())
-    _run_sparse_step(plan.step, plan.kv_format, q, k_cache, indices, topk_length, two, meta.tile_scheduler_metadata,
-                     meta.num_splits, out, lse, plan.o_accum, plan.lse_accum, attn_sink, softmax_scale)
+    _run_sparse_step(plan.step, plan.cache_view(0, k_cache, plan.kv_format), q, indices, topk_length, two,
+                     meta.tile_scheduler_metadata, meta.num_splits, out, lse, plan.o_accum, plan.lse_accum, attn_sink,
+                     softmax_scale)
     return out, lse
 
 
-def _run_sparse_step(step, kv_format: str, q, k_cache, indices, topk_length, two, records, num_splits, out, lse,
-                     o_accum, lse_accum, attn_sink, softmax_scale) -> None:
-    """One run of a compiled sparse decode step, its tensors as its signature takes them (``two``: the extra
-    cache's words, indices and lengths, or three None)."""
+def _run_sparse_step(step, words, q, indices, topk_length, two, records, num_splits, out, lse, o_accum, lse_accum,
+                     attn_sink, softmax_scale) -> None:
+    """One run of a compiled sparse decode step, its tensors as its signature takes them (``words``: the cache's,
+    ``cache_words``; ``two``: the extra cache's words, indices and lengths, or three None)."""
     step(
         q if _aligned(q) else _packed_copy(q),
-        cache_words(k_cache, kv_format),
+        words,
         indices if indices.stride(-1) == 1 else indices.contiguous(),
         topk_length.contiguous() if topk_length is not None else None,
         *two,
@@ -634,8 +649,8 @@ def sparse_decode_given(q, k_cache, indices, topk_length, attn_sink, softmax_sca
         ("sparse", q.dtype, b, s_q, h_q, topk, has_topk_length, has_sink, kv_format, schedule, q.device), make)
     o_accum, lse_accum = _partials(b, parts, 1, s_q * h_q, q.device, partials)
     out, lse = decode_outputs(b, s_q, h_q, q.dtype, q.device, out)
-    _run_sparse_step(step, kv_format, q, k_cache, indices, topk_length, (None, None, None), records, num_splits, out,
-                     lse, o_accum, lse_accum, attn_sink, softmax_scale)
+    _run_sparse_step(step, cache_words(k_cache, kv_format), q, indices, topk_length, (None, None, None), records,
+                     num_splits, out, lse, o_accum, lse_accum, attn_sink, softmax_scale)
     return out, lse
 
 
