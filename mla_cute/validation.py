@@ -15,7 +15,7 @@ costs a host sync of its own:
   decode plans on the device; prefill plans nothing).  There the kernels take each value within its range,
   and the reference backend takes it the same way: a length within ``[0, block_table.shape[1] *
   page_block_size]`` (a negative one attends to nothing), a used block id outside the cache reads keys and
-  values of zeros (zero scores in the softmax), ``topk_length`` and ``extra_topk_length`` within
+  values of zeros (zero scores in the softmax; over an FP8 cache its tokens are skipped), ``topk_length`` and ``extra_topk_length`` within
   ``[0, topk]`` (a negative one counts no index, one past topk all of them), an index outside the cache is
   skipped.  The reference backend holds these values on the host but does not refuse them: it is the
   specification the kernels are tested against, so both backends give one result for any value.

@@ -4,7 +4,8 @@ check sees"; ``mla_cute.validation``'s rule), so both backends give one result f
 A dense call with a fresh metadata object checks its block table and lengths on the host; a later call with
 that object does not (a new block table or cache, lengths written where the version counter does not see
 it).  There the reference takes each length within what the table covers and reads a used block outside the
-cache as zeros, as the kernels do, instead of wrapping a negative id or raising an IndexError.
+cache as zeros (over an FP8 cache: skips its tokens), as the kernels do, instead of wrapping a negative id or
+raising an IndexError.
 """
 
 import pytest
@@ -53,20 +54,45 @@ def _same(got, want):
 BAD_IDS = {"-1": -1, "-5": -5, "num_blocks": 4, "max int": 2**31 - 1}
 
 
+def _sparse_over_positions(args, skipped_block, causal):
+    """Sparse decode (reference) over every position each request's block-table row uses, written out here: index
+    ``block * page + offset``, -1 for the tokens of ``skipped_block`` (request, table column) and, causal with
+    s_q > 1, past each query's end; lengths as ``topk_length``."""
+    q, table, lens = args["q"], args["block_table"], args["cache_seqlens"]
+    b, s_q = q.shape[:2]
+    covered = table.shape[1] * PAGE
+    idx = torch.full((b, s_q, covered), -1, dtype=torch.int32)
+    for i in range(b):
+        n = int(lens[i])
+        for t in range(s_q):
+            end = n - (s_q - 1 - t) if causal and s_q > 1 else n
+            for p in range(max(end, 0)):
+                if (i, p // PAGE) != skipped_block:
+                    idx[i, t, p] = int(table[i, p // PAGE]) * PAGE + p % PAGE
+    return mla_cute.flash_mla_with_kvcache(q, args["k_cache"], None, None, D_V, mla_cute.get_mla_metadata()[0],
+                                           indices=idx, topk_length=lens.clamp(0, covered), backend="reference")
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("s_q,causal", [(1, False), (2, True)])
 @pytest.mark.parametrize("bad", list(BAD_IDS))
-def test_reused_metadata_reads_a_block_outside_the_cache_as_zeros(bad, s_q, causal, fp8):
+def test_reused_metadata_reads_a_block_outside_the_cache_as_zeros_or_skips_it(bad, s_q, causal, fp8):
+    """A 16-bit cache reads the block as zeros (as the TMA does); an FP8 cache skips its tokens (as the sparse
+    kernel over every position does)."""
     args = _case(s_q, fp8)
     meta = mla_cute.get_mla_metadata()[0]
     _call(args, meta, causal)
     table = args["block_table"].clone()
     table[1, 0] = BAD_IDS[bad]  # a block request 1 uses: never checked again with this metadata
     got = _call(dict(args, block_table=table), meta, causal)
-    # The oracle: a valid call whose block there holds zeros.
-    zeros = dict(args, k_cache=torch.cat([args["k_cache"], _zero_block(args["k_cache"])]),
-                 block_table=torch.tensor([[0, 1], [4, 3]], dtype=torch.int32))
-    _same(got, _call(zeros, causal=causal))
+    if fp8:  # the oracle: sparse decode over request 1's tokens past its first block (another summation order)
+        want = _sparse_over_positions(args, skipped_block=(1, 0), causal=causal)
+        torch.testing.assert_close(got[0].float(), want[0].float(), rtol=0, atol=8e-3)  # a bf16 step near 1
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+    else:  # the oracle: a valid call whose block there holds zeros
+        zeros = dict(args, k_cache=torch.cat([args["k_cache"], _zero_block(args["k_cache"])]),
+                     block_table=torch.tensor([[0, 1], [4, 3]], dtype=torch.int32))
+        _same(got, _call(zeros, causal=causal))
     with pytest.raises(ValueError, match=r"block_table\[1, 0\]"):  # a fresh metadata object checks it
         _call(dict(args, block_table=table), causal=causal)
 

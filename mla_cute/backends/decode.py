@@ -203,7 +203,9 @@ class DenseDecode:
     def reference(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, head_dim_v, is_fp8_kvcache,
                   descale_q, descale_k):
         """The reference's dense decode over the operands' true values: the 656-byte cache dequantized; the
-        per-tensor FP8 cache (and an FP8 q) times its descale, in fp32, the output bf16."""
+        per-tensor FP8 cache (and an FP8 q) times its descale, in fp32, the output bf16.  Over an FP8 cache a block
+        id outside the cache (never in a checked call) is skipped, as the sparse kernel over every position skips
+        it (``cute.dense_positions``)."""
         if is_fp8_kvcache and descale_k is None:
             k_cache = dequantize_kv_cache(k_cache)
         elif is_fp8_kvcache:
@@ -211,7 +213,8 @@ class DenseDecode:
         fp8_q = q.dtype == torch.float8_e4m3fn
         if fp8_q:
             q = q.float() * descale_q
-        out, lse = reference.dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, head_dim_v)
+        out, lse = reference.dense_decode(q, k_cache, block_table, cache_seqlens, softmax_scale, masked, head_dim_v,
+                                          skip_outside=is_fp8_kvcache)
         return (out.to(torch.bfloat16) if fp8_q else out), lse
 
     @staticmethod

@@ -63,12 +63,14 @@ def dense_decode(
     softmax_scale: float,
     causal: bool,
     head_dim_v: int = D_LATENT,
+    skip_outside: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense paged decode. Shapes as in ``mla_cute.flash_mla_with_kvcache``.
 
     Values no check saw read as the kernels read them (``mla_cute.validation``'s rule for values): each length is
     taken within ``[0, block_table.shape[1] * page_block_size]``, and a used block id outside
-    ``[0, num_blocks)`` reads keys and values of zeros (zero scores in the softmax)."""
+    ``[0, num_blocks)`` reads keys and values of zeros (zero scores in the softmax), or with ``skip_outside``
+    (the FP8 caches, which the sparse kernel reads over every position) its tokens are skipped."""
     b, s_q, h_q, d = q.shape
     num_blocks, page, h_kv = k_cache.shape[:3]
     covered = block_table.shape[1] * page  # tokens a block-table row covers
@@ -89,6 +91,9 @@ def dense_decode(
                 keys = torch.where(inside, keys, 0.0)  # a block outside the cache reads zeros (as the TMA does)
                 # Bottom-right aligned: query t sees keys [0, n - (s_q - 1 - t)).
                 visible = pos < n - (s_q - 1 - token) if causal and s_q > 1 else None
+                if skip_outside:
+                    seen = inside.view(1, -1).expand(token.shape[0], -1)
+                    visible = seen if visible is None else visible & seen
                 yield keys.float().transpose(0, 1), visible
 
         o, l_i, _ = _attend(rows.contiguous(), chunks, softmax_scale, head_dim_v)  # [h_kv, rows, ...]
