@@ -343,8 +343,9 @@ def dense_positions(block_table, cache_seqlens, num_blocks: int, page: int, s_q:
     pos = torch.arange(covered, dtype=torch.int32, device=device)
     ids = block_table.to(torch.int32)[:, pos // page]  # [b, covered]
     inside = (ids >= 0) & (ids < num_blocks)
-    # int32 throughout: an id inside the cache gives an index below num_blocks * page (the cache's tokens).
-    idx = torch.where(inside, ids.masked_fill(~inside, 0) * page + pos % page, -1)
+    # int32 throughout: an id inside the cache gives an index below num_blocks * page (the cache's tokens); an id
+    # outside it may wrap in the product, which the select then drops.
+    idx = torch.where(inside, ids * page + pos % page, -1)
     lengths = cache_seqlens.to(torch.int32).clamp(0, covered)
     if causal and s_q > 1:  # bottom-right aligned: query t sees [0, length - (s_q - 1 - t))
         ends = lengths[:, None] - (s_q - 1 - torch.arange(s_q, dtype=torch.int32, device=device))[None, :]
